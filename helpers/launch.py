@@ -1,0 +1,219 @@
+"""Launch ``torchrun`` jobs from a notebook: free port, streamed log, timeout, failing rank.
+
+Real Megatron-LM runs start with ``torchrun --nproc_per_node N pretrain_gpt.py ...``; the
+notebooks start their distributed work the same way, as a subprocess, so that the code that
+runs on a laptop is the code that runs on many GPUs. This module makes that safe to do from
+a notebook: every launch has a timeout, the whole process group is killed when it expires,
+and a failure names the rank that failed and shows the end of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+class LaunchError(RuntimeError):
+    """A torchrun job failed, timed out, or could not start. ``log_tail`` holds its last lines."""
+
+    def __init__(self, message: str, log_tail: str = "", failed_rank: int | None = None):
+        super().__init__(message + (f"\n--- last lines of the log ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+        self.failed_rank = failed_rank
+
+
+@dataclass
+class LaunchResult:
+    """What a finished launch returns: the command, its wall time (seconds) and all output lines."""
+
+    command: list[str]
+    wall_seconds: float
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on ``host:port`` and it can be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def torchrun_command(
+    target: str | Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int,
+    module: bool = True,
+) -> list[str]:
+    """The ``torchrun`` command line (as run through ``python -m torch.distributed.run``).
+
+    Args:
+        target: a module name (``module=True``, run as ``-m target``) or a script path, plus
+            its arguments when a sequence is given: ``["helpers.training", "--config", "x.json"]``.
+        nproc_per_node: processes (ranks) on this node; one per GPU on a GPU machine.
+        nnodes, node_rank, master_addr, master_port: the static rendezvous of a multi-node job
+            (torchrun's ``--nnodes/--node-rank/--master-addr/--master-port``).
+    """
+    if isinstance(target, str):
+        target = [target]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+    ]
+    if module:
+        cmd.append("-m")
+    return cmd + list(target)
+
+
+_RANK_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
+
+
+def torchrun(
+    target: str | Sequence[str],
+    *,
+    nproc_per_node: int = 1,
+    timeout_s: float = 600.0,
+    master_port: int | None = None,
+    env: dict[str, str] | None = None,
+    log_path: str | os.PathLike | None = None,
+    on_line: Callable[[str], None] | None = print,
+    cwd: str | os.PathLike | None = None,
+    module: bool = True,
+) -> LaunchResult:
+    """Run ``target`` under torchrun on this machine and wait for it, streaming its output.
+
+    Args:
+        target: module (or script) and its arguments, see :func:`torchrun_command`.
+        nproc_per_node: number of processes; each gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``.
+        timeout_s: wall-clock limit in seconds; past it the whole process group is killed.
+        master_port: rendezvous port; a free one is picked when ``None``.
+        env: extra environment variables for the processes.
+        log_path: where to also write the full log (appended).
+        on_line: called with each output line (``print`` by default, ``None`` for silence).
+        cwd: working directory of the job (default: the current one).
+
+    Returns:
+        A :class:`LaunchResult` with the wall time and every output line.
+
+    Raises:
+        LaunchError: the port is in use, the job timed out, or a rank exited non-zero
+            (``failed_rank`` says which, when torchrun reported it).
+    """
+    if nproc_per_node < 1:
+        raise LaunchError(f"nproc_per_node={nproc_per_node}: need at least 1 process")
+    if master_port is None:
+        master_port = free_port()
+    elif not port_is_free(master_port):
+        raise LaunchError(
+            f"master_port={master_port} is already in use on this machine: pick another port "
+            "or pass master_port=None to let the launcher choose a free one"
+        )
+    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
+    if env:
+        full_env.update({k: str(v) for k, v in env.items()})
+    # The project root on the path, so `-m helpers.x` works without installation too.
+    root = str(Path(__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+
+    log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+    tail: deque[str] = deque(maxlen=40)
+    lines: list[str] = []
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env=full_env, cwd=cwd, start_new_session=True,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            lines.append(line)
+            tail.append(line)
+            if log_file:
+                log_file.write(line + "\n")
+                log_file.flush()
+            if on_line is not None:
+                on_line(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise LaunchError(
+            f"torchrun {' '.join(map(str, target if not isinstance(target, str) else [target]))} "
+            f"did not finish within timeout_s={timeout_s:g} s; all its processes were killed. "
+            "Raise timeout_s or make the job smaller.",
+            "\n".join(tail),
+        ) from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        reader.join(timeout=5)
+        if log_file:
+            log_file.close()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        text = "\n".join(lines)
+        match = _RANK_FAILURE.search(text)
+        rank = int(match.group(1)) if match else None
+        who = f"rank {rank}" if rank is not None else "a process"
+        raise LaunchError(
+            f"torchrun job failed: {who} exited with an error (exit code {proc.returncode}).",
+            "\n".join(tail),
+            failed_rank=rank,
+        )
+    return LaunchResult(command=cmd, wall_seconds=wall, lines=lines)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the job's process group, then SIGKILL whatever is left after 5 s."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,98 @@
+"""Recorded results of a run: ``summary.json`` and figures in the run folder.
+
+Every notebook records its key results with :func:`record`; the series runner adds each
+notebook's wall time. Tests and benchmarks read the same file back with :func:`load_summary`.
+
+Layout of a run folder (see the README)::
+
+    runs/<name>/summary.json      {"01_data_preprocessing": {"num_documents": 799, ...}, ...}
+    runs/<name>/figures/*.png
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+
+
+def run_path(run_dir: str | os.PathLike) -> Path:
+    """The run folder as an absolute :class:`~pathlib.Path`, created if absent.
+
+    Raises:
+        NotADirectoryError: ``run_dir`` exists and is a file.
+    """
+    path = Path(run_dir).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"run_dir={str(run_dir)!r} is a file, not a folder: pass a folder path")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _jsonable(value: Any) -> Any:
+    """Numbers from numpy/torch become plain Python; NaN/inf become strings JSON can hold."""
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def load_summary(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """``summary.json`` of a run as a dict (empty when nothing was recorded yet)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> Any:
+    """Store ``value`` as ``summary[notebook][name]`` in the run's ``summary.json``.
+
+    The file is rewritten atomically (temporary file + rename), so a crash never leaves
+    a half-written summary. Returns ``value`` so a notebook can record and show in one line.
+
+    Args:
+        run_dir: the run folder.
+        notebook: the notebook's stem, e.g. ``"01_data_preprocessing"``.
+        name: the result's name, e.g. ``"tokens_per_second"``; units belong in the name.
+        value: anything JSON can hold (numpy/torch scalars are converted).
+
+    Raises:
+        TypeError: ``value`` cannot be stored as JSON.
+    """
+    folder = run_path(run_dir)
+    summary = load_summary(folder)
+    summary.setdefault(notebook, {})[name] = _jsonable(value)
+    text = json.dumps(summary, indent=2, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".summary.", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    os.replace(tmp, folder / SUMMARY_FILE)
+    return value
+
+
+def figure_path(run_dir: str | os.PathLike, name: str) -> Path:
+    """Where figure ``name`` (without extension) of this run is saved: ``<run>/figures/<name>.png``."""
+    folder = run_path(run_dir) / "figures"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{name}.png"
+
+
+def save_figure(fig, run_dir: str | os.PathLike, name: str) -> Path:
+    """Save a matplotlib figure as ``<run>/figures/<name>.png`` (150 dpi) and return the path."""
+    path = figure_path(run_dir, name)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    return path

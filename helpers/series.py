@@ -1,0 +1,308 @@
+"""Run the notebook series with papermill: profiles, parameter overrides, one run folder.
+
+Command line::
+
+    python -m helpers.series run                       # the `cpu` profile without a GPU
+    python -m helpers.series run --profile cpu -p train_iters=500
+    python -m helpers.series run --only 01 02 -p 01_data_preprocessing.vocab_size=4096
+    python -m helpers.series params                    # every notebook's parameters
+
+Each notebook is executed in order into ``runs/<name>/executed/`` with the shared run folder
+passed as its ``run_dir`` parameter; ``runs/latest`` points at the newest run folder, and
+``summary.json`` collects what each notebook recorded plus its wall seconds.
+
+A profile maps notebook stems (or ``"all"``, for every notebook that has the parameter) to
+parameter overrides. A notebook's own defaults are the ``cpu`` profile. Overrides given with
+``-p name=value`` go to every notebook that defines ``name``; ``-p NN_stem.name=value`` to one.
+Unknown names are an error that lists the valid ones (papermill itself only warns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+from helpers import results
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = ROOT / "notebooks"
+RUNS_DIR = ROOT / "runs"
+
+#: Parameters the runner itself passes to every notebook (each notebook must define them).
+RUNNER_PARAMETERS = ("run_dir", "profile")
+
+#: Profiles: {profile: {notebook stem or "all": {parameter: value}}}. The notebooks' own
+#: defaults are the `cpu` profile, so it is empty. `smoke` is what the test suite runs.
+PROFILES: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {},
+    "codeparrot-small": {
+        "01_data_preprocessing": {"vocab_size": 32768},
+    },
+    "smoke": {
+        "00_container_setup": {"run_allreduce": True},
+        "01_data_preprocessing": {"max_files": 120, "vocab_size": 1024, "num_workers": 2},
+        "02_data_loader": {"seq_length": 64, "num_samples": 256},
+    },
+}
+
+#: Per-cell timeout (seconds) for papermill, by profile.
+CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "codeparrot-small": None}
+
+
+class ParameterError(ValueError):
+    """A parameter override names no notebook parameter, or has the wrong type."""
+
+
+@dataclass
+class NotebookRun:
+    """One executed notebook: its stem, output path and wall time in seconds."""
+
+    stem: str
+    output: Path
+    wall_seconds: float
+
+
+def default_profile() -> str:
+    """``codeparrot-small`` when a CUDA GPU is visible, else ``cpu``."""
+    try:
+        import torch
+
+        return "codeparrot-small" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> list[Path]:
+    """The series' notebooks ``NN_name.ipynb`` in reading order."""
+    return sorted(p for p in notebook_dir.glob("[0-9][0-9]_*.ipynb"))
+
+
+def notebook_parameters(path: Path) -> dict[str, dict[str, Any]]:
+    """The parameters of a notebook's ``parameters`` cell, as papermill reads them.
+
+    Returns:
+        ``{name: {"default": str, "inferred_type_name": str, "help": str}}``.
+    """
+    import papermill
+
+    return {name: dict(info) for name, info in papermill.inspect_notebook(str(path)).items()}
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train_iters=500"`` -> ``("train_iters", 500)``; values are Python literals or strings.
+
+    Raises:
+        ParameterError: no ``=`` in ``text``.
+    """
+    if "=" not in text:
+        raise ParameterError(f"-p {text!r}: write overrides as name=value, e.g. -p train_iters=500")
+    name, raw = text.split("=", 1)
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return name.strip(), value
+
+
+_TYPE_CHECK = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_type(stem: str, name: str, value: Any, info: dict[str, Any]) -> Any:
+    type_name = (info.get("inferred_type_name") or "None").split("[")[0]
+    allowed = _TYPE_CHECK.get(type_name)
+    if allowed is None or value is None:
+        return value
+    if type_name in ("int", "float") and isinstance(value, bool):
+        allowed = ()
+    if not isinstance(value, allowed):
+        raise ParameterError(
+            f"{stem}.{name} must be {type_name} (default {info.get('default')}), got {value!r}"
+        )
+    return float(value) if type_name == "float" else value
+
+
+def resolve_parameters(
+    selected: list[Path],
+    profile: str,
+    overrides: dict[str, Any] | None = None,
+    *,
+    run_dir: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The parameters papermill passes to each selected notebook.
+
+    Args:
+        selected: notebook paths, in order.
+        profile: a key of :data:`PROFILES`.
+        overrides: ``{"name": value}`` (to every notebook defining it) or
+            ``{"NN_stem.name": value}`` (to that notebook only).
+        run_dir: the run folder passed to every notebook.
+
+    Returns:
+        ``{stem: {parameter: value}}``.
+
+    Raises:
+        ParameterError: unknown profile, unknown parameter name (the message lists the valid
+            ones), a wrong value type, or a notebook missing the runner's own parameters.
+    """
+    if profile not in PROFILES:
+        raise ParameterError(f"profile {profile!r} is unknown: choose one of {sorted(PROFILES)}")
+    declared = {p.stem: notebook_parameters(p) for p in selected}
+    for stem, params in declared.items():
+        missing = [n for n in RUNNER_PARAMETERS if n not in params]
+        if missing:
+            raise ParameterError(f"notebook {stem} has no parameter(s) {missing} in its parameters cell")
+    resolved: dict[str, dict[str, Any]] = {stem: {"profile": profile} for stem in declared}
+    if run_dir is not None:
+        for stem in resolved:
+            resolved[stem]["run_dir"] = run_dir
+
+    def apply(key: str, value: Any, source: str, strict: bool) -> None:
+        if "." in key:
+            stem, name = key.split(".", 1)
+            if stem not in declared:
+                if strict:
+                    raise ParameterError(f"{source} {key!r}: no selected notebook {stem!r}; selected: {sorted(declared)}")
+                return
+            targets = [stem]
+        else:
+            name = key
+            targets = [s for s, params in declared.items() if name in params]
+        valid = [s for s in targets if name in declared[s]]
+        if not valid:
+            if not strict:
+                return
+            names = sorted({n for params in declared.values() for n in params} - set(RUNNER_PARAMETERS))
+            raise ParameterError(
+                f"{source} {key!r} is not a parameter of "
+                + (f"{targets[0]}" if "." in key else "any selected notebook")
+                + f". Valid names: {', '.join(names)}"
+            )
+        for stem in valid:
+            resolved[stem][name] = _check_type(stem, name, value, declared[stem][name])
+
+    for section, values in PROFILES[profile].items():
+        for name, value in values.items():
+            key = name if section == "all" else f"{section}.{name}"
+            apply(key, value, f"profile {profile}:", strict=False)
+    for key, value in (overrides or {}).items():
+        apply(key, value, "-p", strict=True)
+    return resolved
+
+
+def _point_latest(run_folder: Path) -> None:
+    latest = run_folder.parent / "latest"
+    tmp = run_folder.parent / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_folder.name)
+    os.replace(tmp, latest)
+
+
+def run(
+    profile: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    run_dir: str | os.PathLike | None = None,
+    only: Iterable[str] | None = None,
+    log_output: bool = False,
+) -> list[NotebookRun]:
+    """Execute the series (or ``only`` some notebooks) with papermill into one run folder.
+
+    Args:
+        profile: a key of :data:`PROFILES`; ``None`` picks :func:`default_profile`.
+        overrides: parameter overrides, see :func:`resolve_parameters`.
+        run_dir: the run folder; default ``runs/<profile>-<timestamp>``. ``runs/latest``
+            points at it when it lies in ``runs/``. Reusing a folder reuses its artifacts.
+        only: notebook numbers or stems to run (``["01", "02"]``); default all.
+        log_output: stream the notebooks' cell output to this terminal.
+
+    Returns:
+        One :class:`NotebookRun` per executed notebook.
+
+    Raises:
+        ParameterError: bad profile or parameter (before anything runs).
+        papermill.PapermillExecutionError: a cell failed; the partly executed notebook is saved.
+    """
+    import papermill
+
+    profile = profile or default_profile()
+    selected = notebooks()
+    if only:
+        wanted = [str(o) for o in only]
+        selected = [p for p in selected if any(p.stem == w or p.stem.split("_")[0] == w for w in wanted)]
+        if not selected:
+            raise ParameterError(f"--only {wanted}: no such notebook; have {[p.stem for p in notebooks()]}")
+    if not selected:
+        raise ParameterError(f"no notebooks NN_*.ipynb found in {NOTEBOOK_DIR}")
+    if run_dir is None:
+        run_dir = RUNS_DIR / f"{profile}-{datetime.now():%Y%m%d-%H%M%S}"
+    folder = results.run_path(run_dir)
+    params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))
+    if folder.parent.resolve() == RUNS_DIR.resolve():
+        _point_latest(folder)
+    executed = folder / "executed"
+    executed.mkdir(exist_ok=True)
+    timeout = CELL_TIMEOUT_S.get(profile, 1800)
+    done: list[NotebookRun] = []
+    print(f"Run folder: {folder}  (profile {profile}, {len(selected)} notebooks)", flush=True)
+    for i, path in enumerate(selected, 1):
+        output = executed / path.name
+        print(f"[{i}/{len(selected)}] {path.stem} ...", flush=True)
+        start = time.perf_counter()
+        papermill.execute_notebook(
+            str(path), str(output), parameters=params[path.stem], cwd=str(path.parent),
+            kernel_name="python3", progress_bar=False, log_output=log_output,
+            execution_timeout=timeout,
+        )
+        wall = time.perf_counter() - start
+        results.record(folder, path.stem, "wall_seconds", round(wall, 2))
+        done.append(NotebookRun(path.stem, output, wall))
+        print(f"[{i}/{len(selected)}] {path.stem} done in {wall:.1f} s", flush=True)
+    total = sum(r.wall_seconds for r in done)
+    print(f"\nSeries done in {total:.1f} s.")
+    print(f"  executed notebooks: {executed}")
+    print(f"  figures:            {folder / 'figures'}")
+    print(f"  results:            {folder / results.SUMMARY_FILE}")
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helpers.series", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_p = sub.add_parser("run", help="execute the notebooks with papermill")
+    run_p.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                       help="parameter profile (default: codeparrot-small with a GPU, else cpu)")
+    run_p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
+                       help="override a notebook parameter (NAME or NN_stem.NAME); repeatable")
+    run_p.add_argument("--run-dir", default=None, help="run folder (default runs/<profile>-<time>)")
+    run_p.add_argument("--only", nargs="+", default=None, metavar="NN", help="run only these notebooks")
+    run_p.add_argument("--log-output", action="store_true", help="stream cell output")
+    params_p = sub.add_parser("params", help="list every notebook's parameters")
+    params_p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "params":
+            for path in notebooks():
+                resolved = resolve_parameters([path], args.profile)[path.stem]
+                print(path.stem)
+                for name, info in notebook_parameters(path).items():
+                    value = resolved.get(name, info["default"])
+                    print(f"  {name:<24} {value!s:<20} {info.get('inferred_type_name', '')}  {info.get('help', '')}")
+            return 0
+        overrides = dict(parse_override(p) for p in args.param)
+        run(args.profile, overrides, run_dir=args.run_dir, only=args.only, log_output=args.log_output)
+    except ParameterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
