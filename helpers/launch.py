@@ -140,7 +140,9 @@ def torchrun(
             "or pass master_port=None to let the launcher choose a free one"
         )
     cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
+    # No PYTHONUNBUFFERED: unbuffered stdout writes a print's text and its newline in two
+    # system calls, so lines of different ranks interleave. Programs print with flush=True.
+    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
     # The project root on the path, so `-m helpers.x` works without installation too.
