@@ -1,0 +1,327 @@
+"""The one place that patches megatron-core so it trains on a machine without CUDA.
+
+megatron-core 0.16.1 is written for GPUs: a handful of its functions ask for a CUDA device,
+a CUDA RNG state or a CUDA synchronisation even when every tensor lives on the CPU. Each
+:class:`Shim` below names the megatron-core version and the ``file:line`` it works around,
+and ``tests/test_cpu_compat.py`` shows, per shim, that the unpatched call still fails on CPU
+(so the test fails, and the shim can go, the day megatron-core stops needing it).
+
+Two kinds of patch are used, both scoped to megatron-core's own modules:
+
+* **device redirect**: the module's global ``torch`` is replaced by :class:`CpuTorch`, a thin
+  proxy of ``torch`` on which ``torch.cuda.current_device()`` is the CPU device,
+  ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
+  device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
+* **RNG tracker**: megatron-core's ``CudaRNGStatesTracker`` (tensor_parallel/random.py) keeps
+  one named CUDA generator state per parallel stream (data-parallel, tensor-model-parallel,
+  expert). :class:`CpuRNGStatesTracker` keeps the same streams, with the same seeds, as CPU
+  generator states.
+
+Usage (idempotent; a no-op when CUDA is available)::
+
+    from helpers import cpu_compat
+    cpu_compat.apply()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+#: The megatron-core version these shims were written for and tested against.
+MEGATRON_CORE_VERSION = "0.16.1"
+
+_CUDA_NAMES = ("cuda",)
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """``"cuda"``, ``"cuda:0"``, ``torch.device("cuda", 1)`` or an int (a CUDA index) -> ``"cpu"``."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.split(":")[0] in _CUDA_NAMES:
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """``torch.cuda`` as megatron-core sees it after :func:`apply`: the "current device" is the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(new_state)
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+
+
+class CpuTorch:
+    """A proxy of the ``torch`` module whose CUDA device requests land on the CPU.
+
+    Installed as the global ``torch`` of selected megatron-core modules only. Everything not
+    overridden (``torch.Tensor``, ``torch.float32``, ``torch.distributed``...) is the real
+    ``torch`` attribute.
+    """
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                kwargs.pop("pin_memory", None)
+                return attr(*args, **kwargs)
+
+            factory.__name__ = name
+            return factory
+        return attr
+
+    def __repr__(self) -> str:
+        return "<helpers.cpu_compat.CpuTorch proxy of torch>"
+
+
+@dataclass(frozen=True)
+class Shim:
+    """One patch: where it applies and what megatron-core code it works around.
+
+    Attributes:
+        name: short id used by the tests (``"schedules"``...).
+        module: the megatron-core module whose global ``torch`` is replaced (device shims).
+        works_around: ``file:line`` list in megatron-core 0.16.1 and the failing call.
+    """
+
+    name: str
+    module: str
+    works_around: str
+
+
+#: Device shims: modules whose global ``torch`` becomes :class:`CpuTorch`.
+DEVICE_SHIMS: tuple[Shim, ...] = (
+    Shim("causal_mask", "megatron.core.transformer.utils",
+         "megatron/core/transformer/utils.py:35 get_default_causal_mask builds the causal mask "
+         "with torch.ones(sq, sq, device='cuda') (attention_mask=None, the GPTDataset default)"),
+    Shim("global_memory_buffer", "megatron.core.utils",
+         "megatron/core/utils.py:631 GlobalMemoryBuffer.get_tensor allocates on "
+         "torch.cuda.current_device() (used by every attention forward)"),
+    Shim("schedules", "megatron.core.pipeline_parallel.schedules",
+         "megatron/core/pipeline_parallel/schedules.py:596, :983, :2138 "
+         "torch.zeros([], device='cuda') in every forward-backward schedule, even at PP=1"),
+    Shim("p2p_communication", "megatron.core.pipeline_parallel.p2p_communication",
+         "megatron/core/pipeline_parallel/p2p_communication.py:190-202, :313, :321 tensors on "
+         "torch.cuda.current_device(); :242, :398 torch.cuda.synchronize() (PP>1)"),
+    Shim("param_and_grad_buffer", "megatron.core.distributed.param_and_grad_buffer",
+         "megatron/core/distributed/param_and_grad_buffer.py:783, :800, :806 grad buffers on "
+         "torch.cuda.current_device() (megatron-core DistributedDataParallel)"),
+    Shim("filesystem_async", "megatron.core.dist_checkpointing.strategies.filesystem_async",
+         "megatron/core/dist_checkpointing/strategies/filesystem_async.py:230 "
+         "torch.cuda.synchronize() before writing a torch_dist checkpoint"),
+    Shim("state_dict_saver", "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+         "megatron/core/dist_checkpointing/strategies/state_dict_saver.py:252 failure flag "
+         "tensor on torch.cuda.current_device() after a torch_dist save"),
+    Shim("async_utils", "megatron.core.dist_checkpointing.strategies.async_utils",
+         "megatron/core/dist_checkpointing/strategies/async_utils.py:165, :604 tensors on "
+         "torch.cuda.current_device(); :212 torch.cuda.synchronize() (async checkpoint calls)"),
+    Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel",
+         "megatron/core/dist_checkpointing/strategies/fully_parallel.py:272, :281 "
+         "torch.cuda.synchronize() in fully parallel save/load (DP>1)"),
+)
+
+#: The RNG shim (not a module proxy: a tracker class with CPU generator states).
+RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
+                "megatron/core/tensor_parallel/random.py:235 CudaRNGStatesTracker.add calls "
+                "torch.cuda.get_rng_state(); :55/:84-112 _get/_set_cuda_rng_state read and write "
+                "the CUDA generator (model_parallel_cuda_manual_seed, fork() in every attention)")
+
+SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + (RNG_SHIM,)
+
+_state: dict[str, Any] = {"applied": False, "originals": {}}
+
+
+def needed() -> bool:
+    """True when the shims are needed: no CUDA device is available to torch."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    """True after :func:`apply` patched megatron-core (and :func:`revert` did not undo it)."""
+    return bool(_state["applied"])
+
+
+# --------------------------------------------------------------------------- RNG tracker
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """CPU stand-in for ``random._get_cuda_rng_state`` (megatron-core 0.16.1 random.py:41)."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    """CPU stand-in for ``random._set_cuda_rng_state`` (megatron-core 0.16.1 random.py:72)."""
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_tracker_class(base: type) -> type:
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """megatron-core's ``CudaRNGStatesTracker`` with CPU generator states.
+
+        Same streams and seeds as on GPU (``model_parallel_cuda_manual_seed``: data-parallel
+        stream ``seed``, tensor-model-parallel stream ``seed + 2718 + tp_rank``, expert stream
+        ``seed + 1024 + 100 * ep_rank + etp_rank``); ``fork(name)`` swaps the CPU generator to the
+        named state and back. Source: megatron/core/tensor_parallel/random.py (0.16.1).
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig = self.states_[orig_name]
+                torch.set_rng_state(orig)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+def _apply_rng() -> None:
+    random = importlib.import_module(RNG_SHIM.module)
+    originals = _state["originals"]
+    originals[("rng", "CudaRNGStatesTracker")] = random.CudaRNGStatesTracker
+    originals[("rng", "_get_cuda_rng_state")] = random._get_cuda_rng_state
+    originals[("rng", "_set_cuda_rng_state")] = random._set_cuda_rng_state
+    originals[("rng", "torch")] = random.torch
+    random.CudaRNGStatesTracker = _make_cpu_tracker_class(random.CudaRNGStatesTracker)
+    random._get_cuda_rng_state = _cpu_get_rng_state
+    random._set_cuda_rng_state = _cpu_set_rng_state
+    random.torch = CpuTorch()
+    # A tracker made before apply() holds the CUDA class: make the next get_cuda_rng_tracker() rebuild it.
+    random._CUDA_RNG_STATE_TRACKER = None
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def _revert_rng() -> None:
+    random = importlib.import_module(RNG_SHIM.module)
+    originals = _state["originals"]
+    for attr in ("CudaRNGStatesTracker", "_get_cuda_rng_state", "_set_cuda_rng_state", "torch"):
+        setattr(random, attr, originals.pop(("rng", attr)))
+    random._CUDA_RNG_STATE_TRACKER = None
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+# --------------------------------------------------------------------------- apply / revert
+def apply(force: bool = False) -> bool:
+    """Patch megatron-core for CPU-only training (idempotent).
+
+    Makes these work on CPU over gloo: ``GPTModel`` forward/backward (local spec),
+    ``tensor_parallel.model_parallel_cuda_manual_seed`` and the RNG tracker (dropout),
+    ``pipeline_parallel.get_forward_backward_func()`` schedules at PP=1 and PP>1,
+    megatron-core ``DistributedDataParallel`` grad buffers, and ``dist_checkpointing``
+    save/load in the torch_dist format. See :data:`SHIMS` for the exact megatron-core
+    0.16.1 lines.
+
+    Args:
+        force: apply even when CUDA is available (tests only).
+
+    Returns:
+        True when the shims are (now) applied; False when CUDA is available and nothing
+        was done.
+
+    Warns:
+        UserWarning: the installed megatron-core is not 0.16.1 (the shims may be stale).
+    """
+    if _state["applied"]:
+        return True
+    if not force and not needed():
+        return False
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != MEGATRON_CORE_VERSION:
+        warnings.warn(
+            f"helpers.cpu_compat was written for megatron-core {MEGATRON_CORE_VERSION}, found {version}: "
+            "run tests/test_cpu_compat.py to see which shims are still needed",
+            stacklevel=2,
+        )
+    for shim in DEVICE_SHIMS:
+        module = importlib.import_module(shim.module)
+        _state["originals"][(shim.name, "torch")] = module.torch
+        module.torch = CpuTorch()
+    _apply_rng()
+    _state["applied"] = True
+    return True
+
+
+def revert() -> None:
+    """Undo :func:`apply` (used by the tests to show each unpatched call still fails)."""
+    if not _state["applied"]:
+        return
+    for shim in DEVICE_SHIMS:
+        module = importlib.import_module(shim.module)
+        module.torch = _state["originals"].pop((shim.name, "torch"))
+    _revert_rng()
+    _state["applied"] = False
+
+
+@contextlib.contextmanager
+def unpatched() -> Iterator[None]:
+    """Temporarily undo the shims inside a ``with`` block (tests), re-applying them after."""
+    was = is_applied()
+    revert()
+    try:
+        yield
+    finally:
+        if was:
+            apply(force=True)
+
+
+def describe() -> list[str]:
+    """One line per shim: ``name: file:line and the failing call`` (for notebooks and logs)."""
+    return [f"{s.name}: {s.works_around}" for s in SHIMS]
