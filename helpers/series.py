@@ -79,9 +79,9 @@ def default_profile() -> str:
         return "cpu"
 
 
-def notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> list[Path]:
-    """The series' notebooks ``NN_name.ipynb`` in reading order."""
-    return sorted(p for p in notebook_dir.glob("[0-9][0-9]_*.ipynb"))
+def notebooks(notebook_dir: Path | None = None) -> list[Path]:
+    """The series' notebooks ``NN_name.ipynb`` in reading order (default: ``notebooks/``)."""
+    return sorted((notebook_dir or NOTEBOOK_DIR).glob("[0-9][0-9]_*.ipynb"))
 
 
 def notebook_parameters(path: Path) -> dict[str, dict[str, Any]]:
@@ -243,8 +243,9 @@ def run(
         raise ParameterError(f"no notebooks NN_*.ipynb found in {NOTEBOOK_DIR}")
     if run_dir is None:
         run_dir = RUNS_DIR / f"{profile}-{datetime.now():%Y%m%d-%H%M%S}"
-    folder = results.run_path(run_dir)
-    params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))
+    folder = Path(run_dir).expanduser().resolve()
+    params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
+    results.run_path(folder)
     if folder.parent.resolve() == RUNS_DIR.resolve():
         _point_latest(folder)
     executed = folder / "executed"

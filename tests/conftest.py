@@ -1,0 +1,34 @@
+"""Shared fixtures. The end-to-end run of the whole series happens once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CI never has one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def series_run(tmp_path_factory):
+    """Execute every notebook in order with the `smoke` profile into one run folder."""
+    from helpers import results, series
+
+    run_dir = tmp_path_factory.mktemp("series-smoke")
+    runs = series.run("smoke", run_dir=run_dir)
+    yield run_dir, runs, results.load_summary(run_dir)
+    if os.environ.get("KEEP_SMOKE_RUN"):
+        print(f"smoke run kept in {run_dir}")
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,124 @@
+"""Notebook hygiene (shape, stripped outputs, parameters) and the end-to-end papermill run."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import nbformat
+import pytest
+
+from helpers import series
+
+NOTEBOOKS = series.notebooks()
+IDS = [p.stem for p in NOTEBOOKS]
+REQUIRED_HEADINGS = ("## Summary", "## What's next", "## Exercises", "## References")
+
+
+def _read(path):
+    return nbformat.read(path, as_version=4)
+
+
+def test_series_is_numbered_from_00_without_gaps():
+    numbers = [int(p.stem[:2]) for p in NOTEBOOKS]
+    assert numbers == list(range(len(numbers))), numbers
+    assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", p.stem) for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_outputs_are_stripped(path):
+    nb = _read(path)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; strip them before committing"
+    assert "widgets" not in nb.metadata and "colab" not in nb.metadata
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_title_cell_and_closing_sections(path):
+    nb = _read(path)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# ")
+    for needed in ("What you will learn", "Prerequisites", "Hardware", "Time to run"):
+        assert needed in first.source, f"{path.name}: title cell lacks '{needed}'"
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    h1 = [l for l in markdown.splitlines() if re.match(r"#\s", l)]
+    assert len(h1) == 1, f"{path.name}: {len(h1)} H1 headings"
+    positions = [markdown.find(h) for h in REQUIRED_HEADINGS]
+    assert all(p >= 0 for p in positions), f"{path.name} lacks one of {REQUIRED_HEADINGS}"
+    assert positions == sorted(positions), f"{path.name}: {REQUIRED_HEADINGS} out of order"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_one_parameters_cell_of_typed_commented_literals(path):
+    nb = _read(path)
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{path.name}: {len(tagged)} cells tagged 'parameters'"
+    assert tagged[0] == 1, "the parameters cell comes right after the title cell"
+    source = nb.cells[1].source
+    for line in source.splitlines():
+        if not line.strip():
+            continue
+        assert re.match(r"^\w+: [\w\[\], |]+ = .+  # \S", line), f"{path.name}: {line!r} is not `name: type = literal  # comment`"
+    tree = ast.parse(source)
+    for node in tree.body:
+        assert isinstance(node, ast.AnnAssign), f"{path.name}: only annotated assignments belong in the parameters cell"
+        ast.literal_eval(node.value)
+    declared = series.notebook_parameters(path)
+    assert len(declared) == len(tree.body), f"{path.name}: papermill could not parse every parameter line"
+    for name in series.RUNNER_PARAMETERS:
+        assert name in declared
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_no_logic_or_installs_in_notebooks(path):
+    nb = _read(path)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        assert "import *" not in cell.source
+        assert not re.search(r"^\s*[!%]\s*pip", cell.source, re.M), "no pip cells: the environment comes from requirements.txt"
+        assert not re.search(r"^(def|class) ", cell.source, re.M), f"{path.name}: define functions in helpers/, not in the notebook"
+
+
+@pytest.mark.parametrize("profile", sorted(series.PROFILES))
+def test_profiles_name_only_real_parameters(profile):
+    by_stem = {p.stem: series.notebook_parameters(p) for p in NOTEBOOKS}
+    for section, values in series.PROFILES[profile].items():
+        if section == "all":
+            for name in values:
+                assert any(name in params for params in by_stem.values()), f"{profile}: {name} is in no notebook"
+            continue
+        assert section in by_stem, f"profile {profile} names a notebook {section} that does not exist"
+        unknown = set(values) - set(by_stem[section])
+        assert not unknown, f"profile {profile}: {section} has no parameters {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_notebook_has_smoke_parameters(path):
+    assert series.PROFILES["smoke"].get(path.stem), f"{path.stem} has no entry in PROFILES['smoke']"
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the whole series with the smoke profile, in order, in one run folder.
+
+
+@pytest.mark.slow
+def test_series_runs_end_to_end(series_run):
+    run_dir, runs, summary = series_run
+    assert [r.stem for r in runs] == IDS
+    for stem in IDS:
+        recorded = set(summary[stem]) - {"wall_seconds"}
+        assert recorded, f"{stem} recorded no results"
+        assert summary[stem]["wall_seconds"] > 0
+        nb = _read(run_dir / "executed" / f"{stem}.ipynb")
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+        assert not errors
+
+
+@pytest.mark.slow
+def test_00_environment_results(series_run):
+    _, _, summary = series_run
+    s = summary["00_container_setup"]
+    assert s["allreduce_ranks_ok"] == 2
+    assert s["found_torch"] is True and s["found_megatron-core"] is True
+    assert s["device"] in ("cpu", "cuda")

@@ -1,0 +1,50 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import results
+
+
+def test_record_accumulates_per_notebook_and_converts_scalars(tmp_path):
+    assert results.record(tmp_path, "01_x", "tokens", np.int64(7)) == 7
+    results.record(tmp_path, "01_x", "loss", torch.tensor(2.5))
+    results.record(tmp_path, "02_y", "bad", float("nan"))
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data == {"01_x": {"tokens": 7, "loss": 2.5}, "02_y": {"bad": "nan"}}
+    assert results.load_summary(tmp_path)["01_x"]["loss"] == 2.5
+
+
+def test_record_leaves_no_temporary_files(tmp_path):
+    for i in range(3):
+        results.record(tmp_path, "n", f"k{i}", i)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_unserialisable_value_keeps_previous_summary(tmp_path):
+    results.record(tmp_path, "n", "a", 1)
+    with pytest.raises(TypeError):
+        results.record(tmp_path, "n", "b", object())
+    assert results.load_summary(tmp_path) == {"n": {"a": 1}}
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        results.record(f, "n", "a", 1)
+
+
+def test_save_figure_writes_png(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, math.e])
+    path = results.save_figure(fig, tmp_path, "curve")
+    assert path == tmp_path / "figures" / "curve.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

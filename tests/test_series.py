@@ -1,0 +1,104 @@
+"""The series runner: profiles, overrides, validation, and a real papermill run of tiny notebooks."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from helpers import results, series
+
+
+def _notebook(path: Path, params: str, body: str) -> Path:
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = new_code_cell(params)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [new_markdown_cell("# Tiny"), cell, new_code_cell(body)]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture()
+def tiny_series(tmp_path, monkeypatch):
+    nbdir = tmp_path / "notebooks"
+    nbdir.mkdir()
+    _notebook(nbdir / "00_first.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nsteps: int = 3  # steps\n',
+              "from helpers import results\nresults.record(run_dir, '00_first', 'steps_squared', steps * steps)")
+    _notebook(nbdir / "01_second.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nsteps: int = 5  # steps\nrate: float = 0.5  # a rate\n',
+              "from helpers import results\nresults.record(run_dir, '01_second', 'product', steps * rate)\n"
+              "results.record(run_dir, '01_second', 'profile', profile)")
+    monkeypatch.setattr(series, "NOTEBOOK_DIR", nbdir)
+    monkeypatch.setattr(series, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setitem(series.PROFILES, "tiny", {"01_second": {"rate": 2.0}, "all": {"steps": 4}})
+    return nbdir
+
+
+def test_parse_override_reads_literals_and_strings():
+    assert series.parse_override("train_iters=500") == ("train_iters", 500)
+    assert series.parse_override("lr=5e-4") == ("lr", 5e-4)
+    assert series.parse_override("flag=True") == ("flag", True)
+    assert series.parse_override("source=/data/code") == ("source", "/data/code")
+    with pytest.raises(series.ParameterError, match="name=value"):
+        series.parse_override("train_iters")
+
+
+def test_profile_then_overrides_are_applied_per_notebook(tiny_series):
+    paths = series.notebooks(tiny_series)
+    resolved = series.resolve_parameters(paths, "tiny", {"01_second.steps": 7}, run_dir="/r")
+    assert resolved["00_first"] == {"profile": "tiny", "run_dir": "/r", "steps": 4}
+    assert resolved["01_second"] == {"profile": "tiny", "run_dir": "/r", "steps": 7, "rate": 2.0}
+
+
+def test_unknown_parameter_lists_the_valid_names(tiny_series):
+    with pytest.raises(series.ParameterError) as err:
+        series.resolve_parameters(series.notebooks(tiny_series), "cpu", {"stepz": 1})
+    assert "'stepz' is not a parameter" in str(err.value)
+    assert "Valid names: rate, steps" in str(err.value)
+
+
+def test_wrong_type_and_unknown_profile_are_errors(tiny_series):
+    paths = series.notebooks(tiny_series)
+    with pytest.raises(series.ParameterError, match="steps must be int"):
+        series.resolve_parameters(paths, "cpu", {"steps": "many"})
+    with pytest.raises(series.ParameterError, match="steps must be int"):
+        series.resolve_parameters(paths, "cpu", {"steps": True})
+    assert series.resolve_parameters(paths, "cpu", {"rate": 1})["01_second"]["rate"] == 1.0
+    with pytest.raises(series.ParameterError, match="profile 'gpu-huge' is unknown"):
+        series.resolve_parameters(paths, "gpu-huge")
+
+
+def test_notebook_without_runner_parameters_is_refused(tmp_path):
+    path = _notebook(tmp_path / "00_bad.ipynb", "steps: int = 1  # steps\n", "pass")
+    with pytest.raises(series.ParameterError, match=r"no parameter\(s\) \['run_dir', 'profile'\]"):
+        series.resolve_parameters([path], "cpu")
+
+
+def test_cli_reports_bad_names_without_running(tiny_series, capsys):
+    assert series.main(["run", "--profile", "cpu", "-p", "bogus=1"]) == 2
+    assert "'bogus' is not a parameter" in capsys.readouterr().err
+    assert not (tiny_series.parent / "runs").exists()
+
+
+def test_run_executes_in_order_records_wall_time_and_points_latest(tiny_series, capsys):
+    runs_dir = tiny_series.parent / "runs"
+    done = series.run("tiny", {"00_first.steps": 6}, run_dir=runs_dir / "t1")
+    assert [r.stem for r in done] == ["00_first", "01_second"]
+    summary = results.load_summary(runs_dir / "t1")
+    assert summary["00_first"]["steps_squared"] == 36
+    assert summary["01_second"]["product"] == 8.0
+    assert summary["01_second"]["profile"] == "tiny"
+    assert all(summary[s]["wall_seconds"] > 0 for s in ("00_first", "01_second"))
+    assert (runs_dir / "latest").resolve() == (runs_dir / "t1").resolve()
+    assert (runs_dir / "t1" / "executed" / "01_second.ipynb").exists()
+    out = capsys.readouterr().out
+    assert "[1/2] 00_first done in" in out and "[2/2] 01_second done in" in out
+
+
+def test_only_selects_by_number(tiny_series):
+    done = series.run("tiny", run_dir=tiny_series.parent / "runs" / "t2", only=["01"])
+    assert [r.stem for r in done] == ["01_second"]
+    with pytest.raises(series.ParameterError, match="no such notebook"):
+        series.run("tiny", run_dir=tiny_series.parent / "runs" / "t3", only=["07"])
