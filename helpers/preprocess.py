@@ -1,0 +1,444 @@
+"""JSON Lines -> Megatron ``.bin/.idx``, and the cached end-to-end data pipeline.
+
+What Megatron-LM's ``tools/preprocess_data.py`` does, written with megatron-core's own
+``IndexedDatasetBuilder`` (``megatron/core/datasets/indexed_dataset.py``) and HF
+``tokenizers``: read the loose JSON, tokenize every document in parallel workers
+(``--workers``; here threads), append the end-of-document token (``--append-eod``), and write
+
+* ``<prefix>.bin``: all token ids, back to back, in the smallest dtype that holds the
+  vocabulary (``DType.optimal_dtype``: uint16 below 65,500 entries, else int32);
+* ``<prefix>.idx``: a header, the dtype, the length of every sequence, the byte offset of
+  every sequence and the document boundaries.
+
+Here every document is one sequence (as with ``--append-eod`` and no sentence splitting).
+Empty documents are skipped and counted (Megatron-LM's newer ``preprocess_data_fast.py``
+would store them as a lone EOD token); the corpus writer never writes any.
+
+:func:`ensure_data` chains the whole stage (corpus -> JSON Lines -> tokenizer -> .bin/.idx)
+into one run folder and skips every step whose output already exists, so notebooks 03-06
+can call it and run on their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from helpers import corpus as corpus_mod
+from helpers import tokenizer as tokenizer_mod
+
+#: Names inside ``{run_dir}/data`` (the guide's names; see the run-folder layout in the README).
+DATA_DIR = "data"
+JSONL_NAME = "codeparrot_data.json"
+TOKENIZER_DIR = "tokenizer"
+PREFIX_NAME = "codeparrot_content_document"
+MANIFEST_NAME = "data_manifest.json"
+
+#: Defaults of :func:`ensure_data` when neither the caller nor an existing run folder says otherwise.
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
+    "split": "969,30,1", "seed": 1234,
+}
+
+
+# --------------------------------------------------------------------------- tokenizing workers
+@contextlib.contextmanager
+def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
+    """Set ``TOKENIZERS_PARALLELISM`` for the block (HF tokenizers reads it at every call)."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if enabled else "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield list(items[start:start + size])
+
+
+@dataclass
+class PreprocessStats:
+    """What :func:`tokenize_to_indexed_dataset` wrote and how fast.
+
+    Attributes:
+        prefix: output path prefix (without ``.bin``/``.idx``).
+        num_documents: documents written (one sequence each).
+        num_skipped_empty: empty documents skipped.
+        num_tokens: tokens written, EOD tokens included.
+        input_bytes: UTF-8 bytes of the document texts read.
+        bin_bytes: size of the ``.bin`` file in bytes.
+        dtype: numpy dtype name of the stored token ids (``uint16`` or ``int32``).
+        seconds: wall time of tokenizing + writing, in seconds.
+        num_workers: worker threads used (0: HF ``tokenizers``' own thread pool).
+    """
+
+    prefix: str
+    num_documents: int
+    num_skipped_empty: int
+    num_tokens: int
+    input_bytes: int
+    bin_bytes: int
+    dtype: str
+    seconds: float
+    num_workers: int
+
+    @property
+    def documents_per_second(self) -> float:
+        return self.num_documents / self.seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds
+
+    @property
+    def megabytes_per_second(self) -> float:
+        """Input text throughput in MB/s (1 MB = 10^6 bytes)."""
+        return self.input_bytes / 1e6 / self.seconds
+
+
+def _check_prefix(output_prefix: str | os.PathLike, overwrite: bool) -> Path:
+    prefix = Path(output_prefix)
+    if not prefix.parent.is_dir():
+        raise FileNotFoundError(
+            f"output_prefix={str(output_prefix)!r}: folder {prefix.parent} does not exist; create it "
+            "first (Megatron's preprocess_data.py does not create it either)"
+        )
+    existing = [p for p in (Path(f"{prefix}.bin"), Path(f"{prefix}.idx")) if p.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{[str(p) for p in existing]} exist: pass overwrite=True or another output_prefix")
+    return prefix
+
+
+def tokenize_to_indexed_dataset(
+    jsonl: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    output_prefix: str | os.PathLike,
+    *,
+    json_key: str = corpus_mod.CONTENT_KEY,
+    append_eod: bool = True,
+    num_workers: int = 2,
+    chunk_size: int = 16,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PreprocessStats:
+    """Tokenize a JSON Lines file into Megatron's ``<output_prefix>.bin/.idx``.
+
+    Equivalent to ``tools/preprocess_data.py --input jsonl --json-keys content
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer_dir --append-eod
+    --workers num_workers --output-prefix ...`` (which names its output
+    ``<output-prefix>_content_document``; here ``output_prefix`` is the full prefix).
+    Token dtype: ``DType.optimal_dtype(vocab_size)`` as in Megatron-LM.
+
+    Args:
+        jsonl: input file, one JSON object per line with the text under ``json_key``.
+        tokenizer_dir: folder written by :func:`helpers.tokenizer.train_tokenizer`.
+        output_prefix: output path without extension; its folder must exist. Files are
+            written under temporary names and renamed at the end.
+        json_key: the key holding the text.
+        append_eod: append the EOD token id after each document (the guide's ``--append-eod``).
+        num_workers: tokenizing workers (Megatron's ``--workers``), here threads that each
+            encode whole chunks; ``0`` uses ``tokenizers``' own thread pool instead.
+        chunk_size: documents sent to a worker at a time.
+        overwrite: replace an existing ``.bin/.idx``.
+        progress: show a tqdm progress bar (documents).
+
+    Returns:
+        :class:`PreprocessStats` with counts, sizes and wall seconds.
+
+    Raises:
+        FileNotFoundError: the input, the tokenizer or the output folder is missing.
+        FileExistsError: the outputs exist and ``overwrite`` is False.
+        ValueError: a bad JSON Lines line (file and line number named), a non-UTF-8 line,
+            or no non-empty document.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tqdm.auto import tqdm
+
+    prefix = _check_prefix(output_prefix, overwrite)
+    if not Path(jsonl).is_file():
+        raise FileNotFoundError(f"jsonl={str(jsonl)!r} not found: write it first (helpers.corpus.write_jsonl)")
+    vocab_size = tokenizer_mod.vocab_size_of(tokenizer_dir)
+    eod = tokenizer_mod.eod_id(tokenizer_dir)
+    dtype = DType.optimal_dtype(vocab_size)
+
+    texts = corpus_mod.read_contents(jsonl, json_key)
+    kept = [t for t in texts if t]
+    if not kept:
+        raise ValueError(f"{jsonl}: no non-empty document under key {json_key!r}")
+    input_bytes = sum(len(t.encode("utf-8")) for t in kept)
+
+    tag = f".tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp_bin, tmp_idx = Path(f"{prefix}{tag}.bin"), Path(f"{prefix}{tag}.idx")
+    start = time.perf_counter()
+    num_tokens = 0
+    try:
+        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+        bar = tqdm(total=len(kept), unit="doc", desc="tokenize", disable=not progress)
+        for ids_list in _encoded_chunks(kept, tokenizer_dir, num_workers, chunk_size):
+            for ids in ids_list:
+                if append_eod:
+                    ids = np.append(ids, eod)
+                builder.add_document(ids, [len(ids)])
+                num_tokens += len(ids)
+            bar.update(len(ids_list))
+        bar.close()
+        builder.finalize(str(tmp_idx))
+        os.replace(tmp_bin, f"{prefix}.bin")
+        os.replace(tmp_idx, f"{prefix}.idx")
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+    seconds = time.perf_counter() - start
+    return PreprocessStats(
+        prefix=str(prefix), num_documents=len(kept), num_skipped_empty=len(texts) - len(kept),
+        num_tokens=num_tokens, input_bytes=input_bytes, bin_bytes=Path(f"{prefix}.bin").stat().st_size,
+        dtype=np.dtype(dtype).name, seconds=seconds, num_workers=num_workers,
+    )
+
+
+def _encoded_chunks(texts: list[str], tokenizer_dir, num_workers: int, chunk_size: int) -> Iterator[list[np.ndarray]]:
+    """Token ids per document, in input order, chunk by chunk.
+
+    ``num_workers >= 1``: that many threads, each encoding whole chunks with one core (HF
+    ``tokenizers`` releases the GIL while encoding, so the threads run in parallel, like the
+    worker processes of Megatron's tool but without starting processes). ``0``: one call per
+    chunk with ``tokenizers``' own thread pool (all cores).
+    """
+    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
+
+    def encode(chunk: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(chunk)]
+
+    if num_workers <= 0:
+        with _tokenizers_parallelism(True):
+            for chunk in _chunks(texts, max(chunk_size, 256)):
+                yield encode(chunk)
+        return
+    with _tokenizers_parallelism(False), ThreadPoolExecutor(num_workers) as pool:
+        yield from pool.map(encode, _chunks(texts, chunk_size))
+
+
+# --------------------------------------------------------------------------- reading back
+def open_indexed_dataset(prefix: str | os.PathLike):
+    """megatron-core ``IndexedDataset`` over ``<prefix>.bin/.idx`` (memory-mapped).
+
+    ``ds[i]`` is document ``i``'s token ids (numpy, the stored dtype); ``ds.sequence_lengths``
+    the length of every sequence in tokens.
+
+    Raises:
+        FileNotFoundError: the ``.bin`` or ``.idx`` is missing.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{missing} not found: run helpers.preprocess.ensure_data (notebook 01) first")
+    return IndexedDataset(str(prefix))
+
+
+def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True) -> str:
+    """Text of document ``index`` of an ``IndexedDataset``, decoded with the folder's tokenizer.
+
+    With ``strip_eod`` the trailing EOD token appended by preprocessing is removed first.
+    """
+    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
+    ids = [int(i) for i in dataset[index]]
+    if strip_eod and ids and ids[-1] == tokenizer_mod.eod_id(tokenizer_dir):
+        ids = ids[:-1]
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+def verify_read_back(prefix: str | os.PathLike, jsonl: str | os.PathLike, tokenizer_dir: str | os.PathLike,
+                     indices: Sequence[int] | None = None) -> int:
+    """Check that stored documents decode back to the JSON Lines texts; returns how many were checked.
+
+    Args:
+        indices: documents to check (default: all).
+
+    Raises:
+        ValueError: document counts differ, or a document decodes to a different text (the
+            message names its index and the first differing character).
+    """
+    texts = corpus_mod.read_contents(jsonl)
+    ds = open_indexed_dataset(prefix)
+    if len(ds) != len(texts):
+        raise ValueError(f"{prefix}.idx holds {len(ds)} documents but {jsonl} has {len(texts)} lines")
+    indices = range(len(texts)) if indices is None else indices
+    for i in indices:
+        decoded = decode_document(ds, i, tokenizer_dir)
+        if decoded != texts[i]:
+            at = next((k for k, (a, b) in enumerate(zip(decoded, texts[i])) if a != b), min(len(decoded), len(texts[i])))
+            raise ValueError(f"document {i} of {prefix} decodes to a different text (first difference at character {at})")
+    return len(indices)
+
+
+# --------------------------------------------------------------------------- the cached pipeline
+@dataclass
+class DataPaths:
+    """The data stage's outputs in a run folder.
+
+    Attributes:
+        jsonl: the cleaned loose JSON (``codeparrot_data.json``).
+        tokenizer_dir: the tokenizer folder (vocab.json, merges.txt, tokenizer.json, ...).
+        data_prefix: ``.bin/.idx`` path without extension (``.../codeparrot_content_document``).
+        num_documents: documents in the ``.bin/.idx`` (= lines of ``jsonl``).
+        vocab_size: tokenizer entries (not padded; Megatron pads to a multiple of 128 x TP).
+        split: the train/valid/test split the tokenizer was trained under; pass it on to
+            :func:`helpers.dataloader.build_gpt_datasets`.
+        settings: everything the data was made with (``data_manifest.json``).
+        built: the steps this call ran (empty when everything was reused).
+    """
+
+    jsonl: Path
+    tokenizer_dir: Path
+    data_prefix: Path
+    num_documents: int
+    vocab_size: int
+    split: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+
+
+def _load_manifest(data_dir: Path) -> dict[str, Any] | None:
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{MANIFEST_NAME}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, data_dir / MANIFEST_NAME)
+
+
+def ensure_data(
+    run_dir: str | os.PathLike,
+    *,
+    source: str | os.PathLike | None = None,
+    text_key: str | None = None,
+    max_files: int | None = None,
+    vocab_size: int | None = None,
+    split: str | None = None,
+    num_workers: int = 2,
+    seed: int | None = None,
+    progress: bool = True,
+) -> DataPaths:
+    """Make (or reuse) the whole data stage in ``{run_dir}/data``; idempotent and cached.
+
+    Steps, each skipped when its output exists: collect and clean the corpus
+    (:func:`helpers.corpus.collect_corpus`) -> ``codeparrot_data.json`` -> train the BPE on
+    the *train-split* documents only (:func:`helpers.tokenizer.train_tokenizer`) ->
+    ``codeparrot_content_document.bin/.idx`` (:func:`tokenize_to_indexed_dataset`).
+    The settings used are stored in ``data/data_manifest.json``.
+
+    A setting left ``None`` means "what this run folder was made with", or the default of
+    :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
+    vocab 8192, split ``969,30,1``, seed 1234). So notebooks 03-06 call ``ensure_data(run_dir)``
+    and get whatever notebook 01 made.
+
+    Args:
+        run_dir: the run folder.
+        source, text_key, max_files, seed: see :func:`helpers.corpus.collect_corpus`.
+        vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`.
+        split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
+            the train part only.
+        num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
+        progress: show progress bars.
+
+    Returns:
+        :class:`DataPaths`.
+
+    Raises:
+        ValueError: a given setting differs from the one the existing data was made with
+            (the message names it and the fix: a new run folder); or the errors of the steps.
+        FileNotFoundError / ValueError: from the corpus, tokenizer and preprocessing steps.
+    """
+    from helpers.dataloader import split_document_ranges
+
+    data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
+    data_dir.mkdir(parents=True, exist_ok=True)
+    jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
+    requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
+                 "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
+                 "split": split, "seed": seed}
+    manifest = _load_manifest(data_dir)
+    if manifest is not None:
+        for name, value in requested.items():
+            if value is not None and manifest["settings"].get(name) != value:
+                raise ValueError(
+                    f"{data_dir} was made with {name}={manifest['settings'].get(name)!r}, not {value!r}. "
+                    f"Nothing was changed. Use a new run folder for other data settings, or delete {data_dir}."
+                )
+        settings = dict(manifest["settings"])
+    else:
+        settings = {k: (v if v is not None else DEFAULT_SETTINGS[k]) for k, v in requested.items()}
+        manifest = {"settings": settings}
+    built: list[str] = []
+
+    if not jsonl.is_file():
+        result = corpus_mod.collect_corpus(settings["source"], text_key=settings["text_key"],
+                                           max_files=settings["max_files"], seed=settings["seed"])
+        corpus_mod.write_jsonl(result.documents, jsonl)
+        manifest["corpus"] = {"source": result.source, "num_read": result.num_read, "removed": result.removed,
+                              "num_documents": len(result.documents), "num_bytes": result.num_bytes}
+        _write_manifest(data_dir, manifest)
+        built.append("corpus")
+    texts: list[str] | None = None
+    if not tokenizer_mod.tokenizer_exists(tok_dir):
+        texts = corpus_mod.read_contents(jsonl)
+        train_range = split_document_ranges(len(texts), settings["split"])[0]
+        if train_range is None or train_range[1] == train_range[0]:
+            raise ValueError(f"split={settings['split']!r} leaves no training documents out of {len(texts)}: give train a weight")
+        tokenizer_mod.train_tokenizer(texts[train_range[0]:train_range[1]], tok_dir,
+                                      vocab_size=settings["vocab_size"], show_progress=progress)
+        manifest["tokenizer"] = {"train_documents": list(train_range), "vocab_size": tokenizer_mod.vocab_size_of(tok_dir)}
+        _write_manifest(data_dir, manifest)
+        built.append("tokenizer")
+    if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
+        stats = tokenize_to_indexed_dataset(jsonl, tok_dir, prefix, num_workers=num_workers,
+                                            progress=progress, overwrite=True)
+        manifest["preprocess"] = asdict(stats) | {"tokens_per_second": stats.tokens_per_second,
+                                                  "documents_per_second": stats.documents_per_second,
+                                                  "megabytes_per_second": stats.megabytes_per_second}
+        _write_manifest(data_dir, manifest)
+        built.append("bin_idx")
+    if "settings" in manifest and not (data_dir / MANIFEST_NAME).is_file():
+        _write_manifest(data_dir, manifest)
+    num_documents = len(open_indexed_dataset(prefix))
+    if built:
+        print(f"ensure_data: built {', '.join(built)} in {data_dir}")
+    else:
+        print(f"ensure_data: reusing {data_dir} ({num_documents} documents, vocab {tokenizer_mod.vocab_size_of(tok_dir)}, split {settings['split']})")
+    return DataPaths(jsonl=jsonl, tokenizer_dir=tok_dir, data_prefix=prefix, num_documents=num_documents,
+                     vocab_size=tokenizer_mod.vocab_size_of(tok_dir), split=settings["split"],
+                     settings=settings, built=built)
+
+
+def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{run_dir}/data/data_manifest.json`` (settings, cleaning counts, preprocessing stats).
+
+    Raises:
+        FileNotFoundError: the data stage has not run in this folder.
+    """
+    manifest = _load_manifest(Path(run_dir).expanduser().resolve() / DATA_DIR)
+    if manifest is None:
+        raise FileNotFoundError(f"{run_dir}/data/{MANIFEST_NAME} not found: run helpers.preprocess.ensure_data first")
+    return manifest
