@@ -1,0 +1,268 @@
+"""Megatron-style checkpoints with megatron-core ``dist_checkpointing`` (torch_dist format).
+
+Layout, as Megatron-LM writes it (``megatron/training/checkpointing.py``)::
+
+    checkpoints/latest_checkpointed_iteration.txt   # "300", written atomically after a save
+    checkpoints/iter_0000300/                        # torch_dist: *.distcp shards, common.pt, metadata
+    checkpoints/iter_0000300/model_config.json       # this series: the model shape for converters
+
+A checkpoint holds the model, the optimizer (sharded like the parameters it belongs to),
+the learning-rate scheduler, every rank's RNG states, the iteration and the number of
+consumed training samples (the data position). Because each tensor is stored with its
+global shape and offset, a checkpoint saved with TP=2 loads with TP=1 (resharding).
+
+Sources: Megatron-LM ``megatron/training/checkpointing.py`` (tracker file, ``iter_%07d``,
+``generate_state_dict``), megatron-core ``dist_checkpointing/serialization.py``
+(``save``/``load``), ``megatron/core/optimizer/optimizer.py`` (``FP32Optimizer.sharded_state_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_CONFIG_FILE = "model_config.json"
+
+#: ModelConfig fields that must match to resume: a different value means a different model shape.
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "max_position_embeddings", "padded_vocab_size", "tied_embeddings", "gelu")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint in the folder was written for a different model; it is left untouched."""
+
+
+def iteration_dir(checkpoint_dir: str | os.PathLike, iteration: int) -> Path:
+    """``checkpoint_dir/iter_0000300`` for ``iteration=300`` (Megatron-LM's ``iter_%07d``)."""
+    return Path(checkpoint_dir) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
+    """The iteration named by ``latest_checkpointed_iteration.txt``; None when there is none.
+
+    Raises:
+        ValueError: the tracker file does not hold an integer, or names a missing folder.
+    """
+    tracker = Path(checkpoint_dir) / TRACKER_FILE
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over") from None
+    if not iteration_dir(checkpoint_dir, iteration).is_dir():
+        raise ValueError(f"{tracker} names iteration {iteration} but {iteration_dir(checkpoint_dir, iteration)} is missing")
+    return iteration
+
+
+def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
+    """The ``model_config.json`` stored with a checkpoint (latest by default).
+
+    Returns:
+        ``ModelConfig.to_metadata()`` of the model that was trained, plus ``iteration``,
+        ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size``.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``checkpoint_dir``.
+    """
+    if iteration is None:
+        iteration = latest_iteration(checkpoint_dir)
+    if iteration is None:
+        raise FileNotFoundError(
+            f"no checkpoint in {checkpoint_dir} ({TRACKER_FILE} missing): train first (notebook 03)"
+        )
+    return json.loads((iteration_dir(checkpoint_dir, iteration) / MODEL_CONFIG_FILE).read_text())
+
+
+def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+    """Raise when the checkpoint's model shape differs from the current one.
+
+    Raises:
+        CheckpointMismatchError: lists every differing field and the two ways out.
+    """
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
+             for k in SHAPE_KEYS if saved.get(k) != current.get(k)]
+    if diffs:
+        raise CheckpointMismatchError(
+            f"the checkpoint in {checkpoint_dir} was trained with a different model shape "
+            f"({'; '.join(diffs)}). It was not loaded and will not be overwritten. Use a new "
+            "run_dir (or checkpoint_dir) for this model, or delete that folder to start over."
+        )
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- RNG states
+def get_rng_state() -> dict[str, Any]:
+    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and megatron's tracker."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+# --------------------------------------------------------------------------- optimizer
+def init_optimizer_state(optimizer) -> None:
+    """Create Adam's ``exp_avg``/``exp_avg_sq``/``step`` before the first step (zeros), so a
+    sharded state dict can be built to load into (megatron-core ``init_state_fn``)."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if len(state) == 0:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                fused = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+
+
+def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
+    """The torch optimizer's state dict with each moment tensor sharded like its parameter.
+
+    Follows megatron-core ``FP32Optimizer.sharded_state_dict`` (optimizer/optimizer.py):
+    ``exp_avg``/``exp_avg_sq`` become ``ShardedTensor`` s keyed ``optimizer.state.<kind>.<param
+    key>``; Adam's per-parameter ``step`` is stored once as ``common_step``.
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    state_dict = optimizer.state_dict()
+    # torch numbers the state by position in param_groups order, not model.parameters() order.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
+    steps = [s["step"] for s in state_dict["state"].values() if "step" in s]
+    optim_state_to_sharding_state(state_dict, id_map, exclude_keys=("step",))
+    for s in state_dict["state"].values():
+        s.pop("step", None)
+    if steps:
+        state_dict["state"]["common_step"] = steps[0]
+    return state_dict
+
+
+def load_optimizer_state(optimizer, state_dict: dict) -> None:
+    """Inverse of :func:`optimizer_sharded_state_dict` after ``dist_checkpointing.load``."""
+    import copy
+
+    step = state_dict["state"].pop("common_step", None)
+    if step is not None:
+        for s in state_dict["state"].values():
+            s["step"] = copy.deepcopy(step)
+    optimizer.load_state_dict(state_dict)
+
+
+# --------------------------------------------------------------------------- save / load
+def sharded_state_dict(model, optimizer, scheduler, *, iteration: int, consumed_train_samples: int,
+                       layout: tuple[int, int, int], extra: dict[str, Any] | None = None) -> dict:
+    """What one rank contributes to a checkpoint (Megatron-LM ``generate_state_dict``).
+
+    Args:
+        model: the bare ``GPTModel`` (unwrap DDP first).
+        optimizer: the torch optimizer over ``model.parameters()`` (state initialised).
+        scheduler: megatron-core ``OptimizerParamScheduler``.
+        iteration, consumed_train_samples: the training position.
+        layout: (tensor-, pipeline-, data-parallel size) of this run.
+        extra: more common (rank-0) entries, e.g. the training config.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    tp, pp, dp = layout
+    model_sd = model.sharded_state_dict()
+    rng = ShardedObject(
+        "rng_state", get_rng_state(), (pp, tp, dp),
+        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank()),
+        replica_id=0,
+    )
+    return {
+        "model": model_sd,
+        "optimizer": optimizer_sharded_state_dict(optimizer, model_sd),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": rng,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "parallel_layout": list(layout),
+        "checkpoint_version": 3.0,
+        **(extra or {}),
+    }
+
+
+def save_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, state: dict,
+                    model_config: dict[str, Any]) -> Path:
+    """Save ``state`` (from :func:`sharded_state_dict`) as ``iter_NNNNNNN`` with torch_dist.
+
+    Every rank calls this. A half-written folder of the same iteration (from a killed run)
+    is removed first; ``model_config.json`` is written next to the shards, then rank 0
+    updates ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished.
+
+    Returns:
+        The ``iter_NNNNNNN`` folder.
+    """
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    folder = iteration_dir(checkpoint_dir, iteration)
+    rank = dist.get_rank()
+    if rank == 0:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        if folder.exists() and latest_iteration(checkpoint_dir) != iteration:
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(folder))
+    dist.barrier()
+    if rank == 0:
+        _write_atomic(folder / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+        _write_atomic(Path(checkpoint_dir) / TRACKER_FILE, f"{iteration}\n")
+    dist.barrier()
+    return folder
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, template: dict) -> dict:
+    """Load ``iter_NNNNNNN`` into the tensors of ``template`` (a :func:`sharded_state_dict`).
+
+    Returns:
+        The loaded state dict (model/optimizer tensors, scheduler state, RNG state of this
+        rank, iteration, consumed samples).
+    """
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(template, str(iteration_dir(checkpoint_dir, iteration)))
