@@ -442,3 +442,58 @@ def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     if manifest is None:
         raise FileNotFoundError(f"{run_dir}/data/{MANIFEST_NAME} not found: run helpers.preprocess.ensure_data first")
     return manifest
+
+
+@dataclass
+class CorpusDataset:
+    """A further corpus tokenized with the run's tokenizer (e.g. for blending in notebook 02).
+
+    Attributes:
+        jsonl: its loose JSON (``{run_dir}/data/<name>_data.json``).
+        data_prefix: its ``.bin/.idx`` prefix (``{run_dir}/data/<name>_content_document``).
+        num_documents: documents kept after cleaning.
+        removed: documents removed per cleaning filter (empty when the files were reused).
+        built: whether this call made the files.
+    """
+
+    jsonl: Path
+    data_prefix: Path
+    num_documents: int
+    removed: dict[str, int]
+    built: bool
+
+
+def ensure_corpus_dataset(
+    run_dir: str | os.PathLike,
+    name: str,
+    *,
+    source: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    text_key: str = corpus_mod.CONTENT_KEY,
+    max_files: int | None = None,
+    seed: int = 1234,
+    num_workers: int = 2,
+    progress: bool = True,
+) -> CorpusDataset:
+    """Clean ``source`` and tokenize it into ``{run_dir}/data/<name>_content_document.bin/.idx``.
+
+    Cached like :func:`ensure_data` (skipped when the ``.bin/.idx`` exist); the tokenizer is
+    the run's own (``{run_dir}/data/tokenizer``, made by :func:`ensure_data` if missing)
+    unless ``tokenizer_dir`` is given, so the corpora can be blended.
+
+    Raises:
+        ValueError: ``name`` is not a simple file name, or is the main corpus' name.
+        FileNotFoundError / ValueError: from :func:`helpers.corpus.collect_corpus`.
+    """
+    if not name or not name.replace("_", "").replace("-", "").isalnum() or name == "codeparrot":
+        raise ValueError(f"name={name!r}: use letters, digits, '_' or '-', and not 'codeparrot' (the main corpus)")
+    data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
+    if tokenizer_dir is None:
+        tokenizer_dir = ensure_data(run_dir, progress=progress).tokenizer_dir
+    jsonl, prefix = data_dir / f"{name}_data.json", data_dir / f"{name}_content_document"
+    if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
+        return CorpusDataset(jsonl, prefix, len(open_indexed_dataset(prefix)), {}, False)
+    result = corpus_mod.collect_corpus(source, text_key=text_key, max_files=max_files, seed=seed)
+    corpus_mod.write_jsonl(result.documents, jsonl, overwrite=True)
+    tokenize_to_indexed_dataset(jsonl, tokenizer_dir, prefix, num_workers=num_workers, progress=progress, overwrite=True)
+    return CorpusDataset(jsonl, prefix, len(result.documents), dict(result.removed), True)

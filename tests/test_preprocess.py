@@ -1,0 +1,125 @@
+"""helpers.preprocess: .bin/.idx round trip, dtype, workers, bad input, ensure_data idempotence."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from helpers import corpus, preprocess, tokenizer
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 30-file stdlib corpus as loose JSON, and a 512-entry tokenizer trained on it."""
+    root = tmp_path_factory.mktemp("pre")
+    docs = corpus.collect_corpus(max_files=30, seed=3).documents
+    jsonl = root / "codeparrot_data.json"
+    corpus.write_jsonl(docs, jsonl)
+    tok_dir = tokenizer.train_tokenizer([d.content for d in docs], root / "tokenizer", vocab_size=512)
+    return root, jsonl, tok_dir, [d.content for d in docs]
+
+
+def _mtimes(folder):
+    return {str(p): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_bin_idx_round_trip(small, tmp_path):
+    _, jsonl, tok_dir, texts = small
+    stats = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", num_workers=2, progress=False)
+    ds = preprocess.open_indexed_dataset(tmp_path / "doc")
+    fast = tokenizer.load_fast_tokenizer(tok_dir)
+    assert len(ds) == stats.num_documents == len(texts)
+    expected = [fast.encode(t).ids + [0] for t in texts]
+    for i in range(len(texts)):
+        assert ds[i].tolist() == expected[i]
+    assert stats.num_tokens == sum(map(len, expected)) == int(ds.sequence_lengths.sum())
+    assert stats.dtype == "uint16" and ds[0].dtype == np.uint16
+    assert stats.bin_bytes == 2 * stats.num_tokens == (tmp_path / "doc.bin").stat().st_size
+    assert stats.input_bytes == sum(len(t.encode()) for t in texts)
+    assert stats.tokens_per_second > 0 and stats.megabytes_per_second > 0
+    assert preprocess.verify_read_back(tmp_path / "doc", jsonl, tok_dir) == len(texts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.bin", "doc.idx"]
+
+
+def test_workers_give_identical_files(small, tmp_path):
+    _, jsonl, tok_dir, _ = small
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w0", num_workers=0, progress=False)
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w2", num_workers=2, chunk_size=3, progress=False)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"w0{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
+
+
+def test_large_vocab_uses_int32(small, tmp_path, monkeypatch):
+    _, jsonl, tok_dir, _ = small
+    monkeypatch.setattr(tokenizer, "vocab_size_of", lambda _: 70_000)
+    stats = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "big", progress=False)
+    assert stats.dtype == "int32" and stats.bin_bytes == 4 * stats.num_tokens
+
+
+def test_empty_documents_are_skipped_and_counted(small, tmp_path):
+    _, _, tok_dir, _ = small
+    jsonl = tmp_path / "in.json"
+    jsonl.write_text("\n".join(json.dumps({"content": c}) for c in ["a = 1\n", "", "b = 2\n"]) + "\n")
+    stats = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "e", progress=False)
+    assert stats.num_documents == 2 and stats.num_skipped_empty == 1
+
+
+def test_missing_output_folder_and_no_overwrite(small, tmp_path):
+    _, jsonl, tok_dir, _ = small
+    with pytest.raises(FileNotFoundError, match="does not exist; create it"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "nope" / "doc", progress=False)
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
+    before = _mtimes(tmp_path)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
+    assert _mtimes(tmp_path) == before
+
+
+def test_bad_json_line_leaves_nothing_behind(small, tmp_path):
+    _, _, tok_dir, _ = small
+    jsonl = tmp_path / "bad.json"
+    jsonl.write_text('{"content": "a = 1"}\n{"content": oops}\n')
+    with pytest.raises(ValueError, match=r"bad\.json:2: line 2 is not valid JSON"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.json"]
+
+
+def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
+    run = tmp_path / "run"
+    paths = preprocess.ensure_data(run, max_files=30, vocab_size=400, split="8,1,1", progress=False)
+    assert paths.built == ["corpus", "tokenizer", "bin_idx"]
+    assert paths.data_prefix == run / "data" / "codeparrot_content_document"
+    assert paths.jsonl == run / "data" / "codeparrot_data.json" and paths.vocab_size == 400
+    lines = paths.jsonl.read_text().splitlines()
+    assert paths.num_documents == len(lines) >= 25
+    manifest = preprocess.data_manifest(run)
+    assert manifest["tokenizer"]["train_documents"] == [0, round(0.8 * paths.num_documents)]
+    assert sum(manifest["corpus"]["removed"].values()) == 30 - paths.num_documents
+    before = _mtimes(run)
+
+    again = preprocess.ensure_data(run, progress=False)
+    assert again.built == [] and again.split == "8,1,1" and again.num_documents == paths.num_documents
+    assert preprocess.ensure_data(run, vocab_size=400, progress=False).built == []
+    with pytest.raises(ValueError, match=r"made with vocab_size=400, not 1024.*new run folder"):
+        preprocess.ensure_data(run, vocab_size=1024, progress=False)
+    assert _mtimes(run) == before, "a second call rewrote files"
+
+    os.remove(f"{paths.data_prefix}.idx")
+    rebuilt = preprocess.ensure_data(run, progress=False)
+    assert rebuilt.built == ["bin_idx"]
+    assert preprocess.verify_read_back(rebuilt.data_prefix, rebuilt.jsonl, rebuilt.tokenizer_dir, indices=[0, 1]) == 2
+
+
+def test_ensure_corpus_dataset_uses_the_run_tokenizer(tmp_path):
+    run = tmp_path / "run"
+    main = preprocess.ensure_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
+    extra = preprocess.ensure_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False)
+    assert extra.built and extra.num_documents >= 3
+    assert extra.data_prefix == run / "data" / "stdlib_tests_content_document"
+    assert preprocess.verify_read_back(extra.data_prefix, extra.jsonl, main.tokenizer_dir) == extra.num_documents
+    assert not preprocess.ensure_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False).built
+    with pytest.raises(ValueError, match="name="):
+        preprocess.ensure_corpus_dataset(run, "../x", source=corpus.stdlib_dir() / "json")
