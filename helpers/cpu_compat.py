@@ -29,6 +29,7 @@ import contextlib
 import importlib
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -112,55 +113,68 @@ class CpuTorch:
 
 @dataclass(frozen=True)
 class Shim:
-    """One patch: where it applies and what megatron-core code it works around.
+    """One patch: the megatron-core module it applies to and the lines it works around.
 
     Attributes:
         name: short id used by the tests (``"schedules"``...).
         module: the megatron-core module whose global ``torch`` is replaced (device shims).
-        works_around: ``file:line`` list in megatron-core 0.16.1 and the failing call.
+        lines: ``{line number in megatron-core 0.16.1: code found on that line}``; the tests
+            check each line still holds that CUDA-only call (else the shim may be stale).
+        why: what fails without the shim.
     """
 
     name: str
     module: str
-    works_around: str
+    lines: dict[int, str]
+    why: str
 
+    @property
+    def file(self) -> str:
+        """The module's file relative to site-packages, e.g. ``megatron/core/utils.py``."""
+        return self.module.replace(".", "/") + ".py"
+
+    @property
+    def works_around(self) -> str:
+        """``megatron-core 0.16.1 megatron/core/utils.py:631: why``."""
+        where = ", ".join(f":{n}" for n in sorted(self.lines))
+        return f"megatron-core {MEGATRON_CORE_VERSION} {self.file}{where}: {self.why}"
+
+
+_CUR = "torch.cuda.current_device()"
+_SYNC = "torch.cuda.synchronize()"
+_CUDA = 'device="cuda"'
 
 #: Device shims: modules whose global ``torch`` becomes :class:`CpuTorch`.
 DEVICE_SHIMS: tuple[Shim, ...] = (
-    Shim("causal_mask", "megatron.core.transformer.utils",
-         "megatron/core/transformer/utils.py:35 get_default_causal_mask builds the causal mask "
-         "with torch.ones(sq, sq, device='cuda') (attention_mask=None, the GPTDataset default)"),
-    Shim("global_memory_buffer", "megatron.core.utils",
-         "megatron/core/utils.py:631 GlobalMemoryBuffer.get_tensor allocates on "
-         "torch.cuda.current_device() (used by every attention forward)"),
-    Shim("schedules", "megatron.core.pipeline_parallel.schedules",
-         "megatron/core/pipeline_parallel/schedules.py:596, :983, :2138 "
-         "torch.zeros([], device='cuda') in every forward-backward schedule, even at PP=1"),
+    Shim("causal_mask", "megatron.core.transformer.utils", {35: _CUDA},
+         "get_default_causal_mask builds the causal mask with torch.ones(sq, sq, device='cuda') "
+         "(attention_mask=None, as GPTDataset batches have it)"),
+    Shim("global_memory_buffer", "megatron.core.utils", {631: _CUR},
+         "GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device() (every attention forward)"),
+    Shim("schedules", "megatron.core.pipeline_parallel.schedules", {596: _CUDA, 983: _CUDA, 2138: _CUDA},
+         "every forward-backward schedule makes torch.zeros([], device='cuda'), even at PP=1"),
     Shim("p2p_communication", "megatron.core.pipeline_parallel.p2p_communication",
-         "megatron/core/pipeline_parallel/p2p_communication.py:190-202, :313, :321 tensors on "
-         "torch.cuda.current_device(); :242, :398 torch.cuda.synchronize() (PP>1)"),
+         {190: _CUR, 194: _CUR, 198: _CUR, 202: _CUR, 242: _SYNC, 313: _CUR, 321: _CUR, 398: _SYNC},
+         "pipeline send/receive buffers on torch.cuda.current_device() and torch.cuda.synchronize() (PP>1)"),
     Shim("param_and_grad_buffer", "megatron.core.distributed.param_and_grad_buffer",
-         "megatron/core/distributed/param_and_grad_buffer.py:783, :800, :806 grad buffers on "
-         "torch.cuda.current_device() (megatron-core DistributedDataParallel)"),
-    Shim("filesystem_async", "megatron.core.dist_checkpointing.strategies.filesystem_async",
-         "megatron/core/dist_checkpointing/strategies/filesystem_async.py:230 "
-         "torch.cuda.synchronize() before writing a torch_dist checkpoint"),
-    Shim("state_dict_saver", "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-         "megatron/core/dist_checkpointing/strategies/state_dict_saver.py:252 failure flag "
-         "tensor on torch.cuda.current_device() after a torch_dist save"),
+         {768: _CUDA, 783: _CUR, 800: _CUR, 806: _CUR},
+         "DistributedDataParallel's contiguous grad buffers on torch.cuda.current_device()"),
+    Shim("filesystem_async", "megatron.core.dist_checkpointing.strategies.filesystem_async", {230: _SYNC},
+         "torch.cuda.synchronize() before a torch_dist checkpoint is written"),
+    Shim("state_dict_saver", "megatron.core.dist_checkpointing.strategies.state_dict_saver", {252: _CUR},
+         "the failure flag all-reduced after a torch_dist save lives on torch.cuda.current_device()"),
     Shim("async_utils", "megatron.core.dist_checkpointing.strategies.async_utils",
-         "megatron/core/dist_checkpointing/strategies/async_utils.py:165, :604 tensors on "
-         "torch.cuda.current_device(); :212 torch.cuda.synchronize() (async checkpoint calls)"),
-    Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel",
-         "megatron/core/dist_checkpointing/strategies/fully_parallel.py:272, :281 "
+         {165: _CUR, 212: _SYNC, 604: _CUR},
+         "async checkpoint bookkeeping tensors on torch.cuda.current_device() and torch.cuda.synchronize()"),
+    Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel", {272: _SYNC, 281: _SYNC},
          "torch.cuda.synchronize() in fully parallel save/load (DP>1)"),
 )
 
-#: The RNG shim (not a module proxy: a tracker class with CPU generator states).
+#: The RNG shim (not only a module proxy: a tracker class with CPU generator states).
 RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
-                "megatron/core/tensor_parallel/random.py:235 CudaRNGStatesTracker.add calls "
-                "torch.cuda.get_rng_state(); :55/:84-112 _get/_set_cuda_rng_state read and write "
-                "the CUDA generator (model_parallel_cuda_manual_seed, fork() in every attention)")
+                {55: "torch.cuda.random.get_rng_state", 235: "torch.cuda.get_rng_state()"},
+                "CudaRNGStatesTracker.add and _get_cuda_rng_state read the CUDA generator "
+                "(model_parallel_cuda_manual_seed; fork() runs in every attention forward)")
 
 SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + (RNG_SHIM,)
 
@@ -312,16 +326,29 @@ def revert() -> None:
 
 @contextlib.contextmanager
 def unpatched() -> Iterator[None]:
-    """Temporarily undo the shims inside a ``with`` block (tests), re-applying them after."""
+    """Temporarily undo the shims inside a ``with`` block (tests), re-applying them (and the
+    RNG tracker that was in use) after."""
+    random = importlib.import_module(RNG_SHIM.module)
     was = is_applied()
+    tracker = (random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     revert()
     try:
         yield
     finally:
         if was:
             apply(force=True)
+            random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
 
 
 def describe() -> list[str]:
     """One line per shim: ``name: file:line and the failing call`` (for notebooks and logs)."""
     return [f"{s.name}: {s.works_around}" for s in SHIMS]
+
+
+def source_lines(shim: Shim) -> dict[int, str]:
+    """The installed megatron-core's text of each line ``shim`` names (for the tests)."""
+    import megatron.core
+
+    path = Path(megatron.core.__file__).resolve().parent.parent.parent / shim.file
+    text = path.read_text().splitlines()
+    return {n: (text[n - 1] if n <= len(text) else "") for n in shim.lines}

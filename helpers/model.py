@@ -15,7 +15,7 @@ Sources: Megatron-LM ``pretrain_gpt.py`` / ``gpt_builders.py`` (how GPTModel is 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 #: GELU variants and the name ``transformers`` gives each (``config.activation_function``).

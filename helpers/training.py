@@ -71,10 +71,10 @@ class TrainingConfig:
     global_batch_size: int = 16
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    train_iters: int = 200
+    train_iters: int = 100
     lr: float = 1e-3
     min_lr: float = 1e-4
-    lr_warmup_iters: int = 20
+    lr_warmup_iters: int = 10
     lr_decay_iters: int | None = None
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
@@ -84,10 +84,10 @@ class TrainingConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     precision: str = "auto"
-    log_interval: int = 10
-    eval_interval: int = 50
-    eval_iters: int = 4
-    save_interval: int | None = 100
+    log_interval: int = 5
+    eval_interval: int = 20
+    eval_iters: int = 2
+    save_interval: int | None = 50
     exit_interval: int | None = None
     checkpoint_dir: str | None = None
     tensorboard_dir: str | None = None
@@ -865,8 +865,7 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
     start = load(trainer)
     rank, world = trainer.dist_info["rank"], trainer.dist_info["world_size"]
     is_logger = rank == world - 1
-    n_params = checkpointing_count = sum(p.numel() for p in trainer.bare_model.parameters())
-    del checkpointing_count
+    n_params = sum(p.numel() for p in trainer.bare_model.parameters())
     total_params = cfg.model.to_metadata(cfg.tensor_model_parallel_size)["num_parameters"]
     logger = MetricsLogger(cfg, is_logger, start)
     say = (lambda s: print(s, flush=True)) if is_logger else (lambda s: None)
