@@ -980,7 +980,7 @@ _ITER_LINE = "iteration "
 
 def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
            master_port: int | None = None, progress: bool = True, echo: bool = False,
-           config_name: str = "run.json") -> TrainingResult:
+           config_name: str = "run.json", env: dict[str, str] | None = None) -> TrainingResult:
     """Write ``run.json`` into the run folder and train under torchrun, with a progress bar.
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
@@ -992,6 +992,8 @@ def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3
         timeout_s: wall-clock limit (s); past it every process is killed.
         master_port: rendezvous port (a free one by default).
         progress: show a tqdm bar over iterations; ``echo`` also prints every log line.
+        env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
+            bit-identical only between runs with the same thread count).
 
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
@@ -1030,7 +1032,7 @@ def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3
     try:
         res = launch_lib.torchrun(["helpers.training", "--config", str(config_path)], nproc_per_node=nproc_per_node,
                                   timeout_s=timeout_s, master_port=master_port, on_line=on_line,
-                                  log_path=cfg.run_path / "training.log")
+                                  log_path=cfg.run_path / "training.log", env=env)
     finally:
         if bar is not None:
             bar.close()

@@ -24,6 +24,15 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, 
             vocab_size=500)
 
 
+def test_build_model_needs_parallel_state():
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        pytest.skip("model parallelism already initialised in this process")
+    with pytest.raises(RuntimeError, match="initialize_distributed"):
+        model.build_model(model.ModelConfig(**TINY))
+
+
 @pytest.mark.parametrize("vocab, divisor, tp, expected", [
     (50257, 128, 1, 50304),  # GPT-2's vocabulary, as Megatron pads it
     (8192, 128, 1, 8192),
@@ -121,15 +130,6 @@ def test_metadata_has_what_a_converter_needs():
                 "layernorm_epsilon", "position_embedding_type", "num_parameters", "flops_per_token"):
         assert key in meta
     assert meta["padded_vocab_size"] == 8192 and meta["ffn_hidden_size"] == 1024
-
-
-def test_build_model_needs_parallel_state():
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        pytest.skip("model parallelism already initialised in this process")
-    with pytest.raises(RuntimeError, match="initialize_distributed"):
-        model.build_model(model.ModelConfig(**TINY))
 
 
 def test_precision_needs_cuda():
