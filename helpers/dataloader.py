@@ -407,11 +407,13 @@ def index_summary(dataset) -> dict[str, Any]:
 
     Returns:
         ``{"num_documents", "num_tokens_per_epoch", "num_epochs", "num_samples_requested",
-        "num_samples", "separate_final_epoch", "document_index_len", "cache_files"}`` where
+        "num_samples", "separate_final_epoch", "document_index_len", "fraction_crossing",
+        "cache_files"}`` where
         ``num_epochs`` is what ``GPTDataset._get_num_epochs`` computed (enough epochs that
         epochs x tokens per epoch >= samples x seq_length + 1) and ``separate_final_epoch``
         tells whether the last epoch was shuffled on its own (it would contribute < 80 %
-        of an epoch's samples).
+        of an epoch's samples). ``fraction_crossing`` is the share of samples that start in
+        one document and end in a later one.
     """
     tokens_per_epoch = dataset._get_num_tokens_per_epoch()
     epochs = dataset._get_num_epochs(tokens_per_epoch)
@@ -421,6 +423,8 @@ def index_summary(dataset) -> dict[str, Any]:
         sans_final = ((epochs - 1) * tokens_per_epoch - extra) // seq
         per_epoch = (tokens_per_epoch - extra) // seq
         separate = dataset.num_samples - sans_final < int(0.80 * per_epoch)
+    si = np.asarray(dataset.sample_index)
+    crossing = float(np.mean(si[1:, 0] > si[:-1, 0])) if len(si) > 1 else 0.0
     cache = dataset.config.path_to_cache
     files = sorted(str(p.name) for p in Path(cache).glob(f"{dataset.unique_description_hash}-*")) if cache else []
     return {
@@ -431,6 +435,7 @@ def index_summary(dataset) -> dict[str, Any]:
         "num_samples": int(len(dataset)),
         "separate_final_epoch": bool(separate),
         "document_index_len": int(len(dataset.document_index)),
+        "fraction_crossing": round(crossing, 4),
         "cache_files": files,
     }
 
@@ -519,3 +524,83 @@ def naive_epoch_loop(sequence_lengths: np.ndarray, documents: Sequence[int], dat
         if len(starts) == 0:
             raise ValueError("the documents hold fewer tokens than one sample")
     return {"seconds": time.perf_counter() - start, "epochs": epochs, "samples": drawn, "tokens_read": tokens_read}
+
+
+# --------------------------------------------------------------------------- figures
+def plot_document_lengths(sequence_lengths: np.ndarray, seq_length: int | None = None, *, title: str = "Tokens per document"):
+    """Histogram of document lengths in tokens (log-spaced bins), with ``seq_length`` marked.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    lengths = np.asarray(sequence_lengths)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bins = np.geomspace(max(1, lengths.min()), lengths.max() + 1, 40)
+    ax.hist(lengths, bins=bins, color="tab:blue", alpha=0.8, label=f"{len(lengths)} documents")
+    ax.axvline(np.median(lengths), color="black", ls="--", label=f"median {int(np.median(lengths)):,} tokens")
+    if seq_length:
+        ax.axvline(seq_length, color="tab:red", label=f"seq_length = {seq_length}")
+    ax.set(xscale="log", xlabel="document length (tokens, log scale)", ylabel="documents", title=title)
+    ax.legend()
+    return fig
+
+
+def first_crossing_sample(dataset) -> int | None:
+    """Id (sample-index order) of the first sample that reads from two or more documents, or None."""
+    si = np.asarray(dataset.sample_index)
+    crossing = np.nonzero(si[1:, 0] > si[:-1, 0])[0]
+    return int(crossing[0]) if len(crossing) else None
+
+
+def plot_sample_spans(dataset, num: int = 12, start: int | None = None):
+    """Horizontal bars: the documents that ``num`` consecutive samples (sample-index order) read.
+
+    Each row is one sample of ``seq_length + 1`` tokens; each colour one document; a row with
+    several colours runs across an EOD boundary. ``start=None`` begins two samples before
+    the first sample that crosses a document boundary.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    if start is None:
+        start = max(0, (first_crossing_sample(dataset) or 0) - 2)
+    ids = list(range(start, min(start + num, len(dataset))))
+    spans = sample_spans(dataset, ids)
+    docs = list(dict.fromkeys(d for parts in spans for d, _, _ in parts))
+    colours = {d: plt.cm.tab20(i % 20) for i, d in enumerate(docs)}
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(ids) + 1.2))
+    for row, parts in zip(ids, spans):
+        left = 0
+        for doc, offset, length in parts:
+            ax.barh(row, length, left=left, color=colours[doc], edgecolor="white")
+            ax.text(left + length / 2, row, f"doc {doc} @{offset}", ha="center", va="center", fontsize=7)
+            left += length
+    ax.invert_yaxis()
+    ax.set(xlabel="token position in the sample", ylabel="sample id (sample-index order)",
+           title=f"Samples of {dataset.config.sequence_length} + 1 tokens cut from the document index")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[d]) for d in docs[:8]]
+    ax.legend(handles, [f"document {d}" for d in docs[:8]], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+def plot_shuffle_index(dataset, max_points: int = 5000):
+    """Scatter of the shuffle index: position in the epoch (x) against the sample read (y).
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    shuffle = np.asarray(dataset.shuffle_index)
+    step = max(1, len(shuffle) // max_points)
+    x = np.arange(len(shuffle))[::step]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.scatter(x, shuffle[::step], s=2, label=f"{len(shuffle):,} samples" + (f" (1 in {step} shown)" if step > 1 else ""))
+    ax.set(xlabel="position i (order the trainer reads)", ylabel="shuffle_index[i] (sample id)",
+           title="The shuffle index is a permutation")
+    ax.legend(loc="upper left")
+    return fig

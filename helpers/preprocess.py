@@ -250,14 +250,17 @@ def open_indexed_dataset(prefix: str | os.PathLike):
     return IndexedDataset(str(prefix))
 
 
-def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True) -> str:
+def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True,
+                    tokenizer=None) -> str:
     """Text of document ``index`` of an ``IndexedDataset``, decoded with the folder's tokenizer.
 
     With ``strip_eod`` the trailing EOD token appended by preprocessing is removed first.
+    Pass ``tokenizer`` (from :func:`helpers.tokenizer.load_fast_tokenizer`) to decode many
+    documents without reloading it each time.
     """
-    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
+    tok = tokenizer if tokenizer is not None else tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
     ids = [int(i) for i in dataset[index]]
-    if strip_eod and ids and ids[-1] == tokenizer_mod.eod_id(tokenizer_dir):
+    if strip_eod and ids and ids[-1] == tok.token_to_id(tokenizer_mod.EOD_TOKEN):
         ids = ids[:-1]
     return tok.decode(ids, skip_special_tokens=False)
 
@@ -277,9 +280,10 @@ def verify_read_back(prefix: str | os.PathLike, jsonl: str | os.PathLike, tokeni
     ds = open_indexed_dataset(prefix)
     if len(ds) != len(texts):
         raise ValueError(f"{prefix}.idx holds {len(ds)} documents but {jsonl} has {len(texts)} lines")
+    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
     indices = range(len(texts)) if indices is None else indices
     for i in indices:
-        decoded = decode_document(ds, i, tokenizer_dir)
+        decoded = decode_document(ds, i, tokenizer_dir, tokenizer=tok)
         if decoded != texts[i]:
             at = next((k for k, (a, b) in enumerate(zip(decoded, texts[i])) if a != b), min(len(decoded), len(texts[i])))
             raise ValueError(f"document {i} of {prefix} decodes to a different text (first difference at character {at})")
@@ -340,6 +344,7 @@ def ensure_data(
     num_workers: int = 2,
     seed: int | None = None,
     progress: bool = True,
+    stop_after: str | None = None,
 ) -> DataPaths:
     """Make (or reuse) the whole data stage in ``{run_dir}/data``; idempotent and cached.
 
@@ -362,6 +367,8 @@ def ensure_data(
             the train part only.
         num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
         progress: show progress bars.
+        stop_after: ``"corpus"`` or ``"tokenizer"`` to run only up to that step (notebook 01
+            shows the steps one at a time); ``None`` runs them all.
 
     Returns:
         :class:`DataPaths`.
@@ -373,6 +380,8 @@ def ensure_data(
     """
     from helpers.dataloader import split_document_ranges
 
+    if stop_after not in (None, "corpus", "tokenizer"):
+        raise ValueError(f"stop_after={stop_after!r}: use 'corpus', 'tokenizer' or None")
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
@@ -401,8 +410,9 @@ def ensure_data(
                               "num_documents": len(result.documents), "num_bytes": result.num_bytes}
         _write_manifest(data_dir, manifest)
         built.append("corpus")
-    texts: list[str] | None = None
-    if not tokenizer_mod.tokenizer_exists(tok_dir):
+    if not (data_dir / MANIFEST_NAME).is_file():
+        _write_manifest(data_dir, manifest)
+    if stop_after != "corpus" and not tokenizer_mod.tokenizer_exists(tok_dir):
         texts = corpus_mod.read_contents(jsonl)
         train_range = split_document_ranges(len(texts), settings["split"])[0]
         if train_range is None or train_range[1] == train_range[0]:
@@ -412,7 +422,7 @@ def ensure_data(
         manifest["tokenizer"] = {"train_documents": list(train_range), "vocab_size": tokenizer_mod.vocab_size_of(tok_dir)}
         _write_manifest(data_dir, manifest)
         built.append("tokenizer")
-    if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
+    if stop_after is None and not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
         stats = tokenize_to_indexed_dataset(jsonl, tok_dir, prefix, num_workers=num_workers,
                                             progress=progress, overwrite=True)
         manifest["preprocess"] = asdict(stats) | {"tokens_per_second": stats.tokens_per_second,
@@ -420,16 +430,17 @@ def ensure_data(
                                                   "megabytes_per_second": stats.megabytes_per_second}
         _write_manifest(data_dir, manifest)
         built.append("bin_idx")
-    if "settings" in manifest and not (data_dir / MANIFEST_NAME).is_file():
-        _write_manifest(data_dir, manifest)
-    num_documents = len(open_indexed_dataset(prefix))
+    has_idx = Path(f"{prefix}.idx").is_file()
+    num_documents = len(open_indexed_dataset(prefix)) if has_idx else manifest.get("corpus", {}).get(
+        "num_documents", len(corpus_mod.read_contents(jsonl)))
+    has_tok = tokenizer_mod.tokenizer_exists(tok_dir)
+    vocab = tokenizer_mod.vocab_size_of(tok_dir) if has_tok else settings["vocab_size"]
     if built:
         print(f"ensure_data: built {', '.join(built)} in {data_dir}")
     else:
-        print(f"ensure_data: reusing {data_dir} ({num_documents} documents, vocab {tokenizer_mod.vocab_size_of(tok_dir)}, split {settings['split']})")
+        print(f"ensure_data: reusing {data_dir} ({num_documents} documents, vocab {vocab}, split {settings['split']})")
     return DataPaths(jsonl=jsonl, tokenizer_dir=tok_dir, data_prefix=prefix, num_documents=num_documents,
-                     vocab_size=tokenizer_mod.vocab_size_of(tok_dir), split=settings["split"],
-                     settings=settings, built=built)
+                     vocab_size=vocab, split=settings["split"], settings=settings, built=built)
 
 
 def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -497,3 +508,24 @@ def ensure_corpus_dataset(
     corpus_mod.write_jsonl(result.documents, jsonl, overwrite=True)
     tokenize_to_indexed_dataset(jsonl, tokenizer_dir, prefix, num_workers=num_workers, progress=progress, overwrite=True)
     return CorpusDataset(jsonl, prefix, len(result.documents), dict(result.removed), True)
+
+
+def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_dir: str = "Megatron-LM") -> str:
+    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as :func:`ensure_data`.
+
+    The guide's 2022 flags updated: ``--dataset-impl`` and ``--chunk-size`` are gone,
+    ``--vocab`` is now an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face
+    Hub, so the tokenizer folder is passed with ``HuggingFaceTokenizer``. The tool appends
+    ``_content_document`` to ``--output-prefix`` itself.
+    """
+    output = str(paths.data_prefix).removesuffix("_content_document")
+    return " \\\n    ".join([
+        f"python {megatron_dir}/tools/preprocess_data.py",
+        f"--input {paths.jsonl}",
+        f"--output-prefix {output}",
+        "--tokenizer-type HuggingFaceTokenizer",
+        f"--tokenizer-model {paths.tokenizer_dir}",
+        "--json-keys content",
+        f"--workers {workers}",
+        "--append-eod",
+    ])

@@ -44,11 +44,12 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {},
     "codeparrot-small": {
         "01_data_preprocessing": {"vocab_size": 32768},
+        "02_data_loader": {"seq_length": 1024, "global_batch_size": 192},
     },
     "smoke": {
         "00_container_setup": {"run_allreduce": True},
-        "01_data_preprocessing": {"max_files": 120, "vocab_size": 1024, "num_workers": 2},
-        "02_data_loader": {"seq_length": 64, "num_samples": 256},
+        "01_data_preprocessing": {"max_files": 150, "vocab_size": 1024, "split": "90,8,2"},
+        "02_data_loader": {"seq_length": 64, "train_iters": 20, "blend_max_files": 60},
     },
 }
 
