@@ -266,3 +266,37 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, template:
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load(template, str(iteration_dir(checkpoint_dir, iteration)))
+
+
+def load_model(checkpoint_dir: str | os.PathLike, iteration: int | None = None, *, seed: int = 1234):
+    """Build the GPTModel a checkpoint was trained with and load its weights (model only).
+
+    Runs in the calling process: initialises a one-process group (TP=PP=1) when none exists,
+    so a notebook or a converter can use it; a TP/PP checkpoint is resharded on load.
+
+    Returns:
+        ``(gpt_model, metadata)``: megatron-core ``GPTModel`` in eval mode (fp32, CPU or the
+        current GPU) and the checkpoint's ``model_config.json``.
+
+    Raises:
+        FileNotFoundError: no checkpoint in ``checkpoint_dir``.
+    """
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from helpers import model as model_lib
+    from helpers import training
+
+    meta = read_model_config(checkpoint_dir, iteration)
+    iteration = meta["iteration"] if iteration is None else iteration
+    if not parallel_state.model_parallel_is_initialized():
+        training.initialize_distributed(1, 1, seed=seed)
+    fields = {f for f in model_lib.ModelConfig.__dataclass_fields__}
+    cfg = model_lib.ModelConfig.from_dict({k: v for k, v in meta.items() if k in fields})
+    gpt = model_lib.build_model(cfg, layer_spec="local" if meta.get("layer_spec") == "local" else "auto")
+    if torch.cuda.is_available():
+        gpt.cuda()
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(iteration_dir(checkpoint_dir, iteration)))
+    gpt.load_state_dict(state["model"], strict=True)
+    gpt.eval()
+    return gpt, meta

@@ -351,3 +351,41 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
     )
     model.layer_spec_name = "te" if use_te else "local"
     return model
+
+
+def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id: int | None = None) -> list[int]:
+    """Greedy decoding with a (TP=1, single-stage) GPTModel: append the argmax token each step.
+
+    No KV cache: the whole (cropped) context is recomputed per token, which is fine for a
+    short sample. Padded vocabulary rows (ids >= the tokenizer's size) are never chosen
+    when ``vocab_size`` is known from ``gpt.vocab_size``.
+
+    Args:
+        gpt: a ``GPTModel`` (eval mode).
+        prompt_ids: token ids of the prompt (at least one).
+        max_new_tokens: tokens to add.
+        eod_id: stop early at this id (``<|endoftext|>``).
+
+    Returns:
+        prompt + generated token ids.
+
+    Raises:
+        ValueError: an empty prompt.
+    """
+    import torch
+
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. the tokenizer's encoding of 'def ')")
+    device = next(gpt.parameters()).device
+    max_len = gpt.max_sequence_length
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ctx = torch.tensor([ids[-max_len:]], device=device)
+            pos = torch.arange(ctx.shape[1], device=device).unsqueeze(0)
+            logits = gpt(ctx, pos, None)[0, -1]
+            nxt = int(logits.float().argmax())
+            ids.append(nxt)
+            if eod_id is not None and nxt == eod_id:
+                break
+    return ids

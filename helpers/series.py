@@ -45,11 +45,21 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "codeparrot-small": {
         "01_data_preprocessing": {"vocab_size": 32768},
         "02_data_loader": {"seq_length": 1024, "global_batch_size": 192},
+        "03_training": {  # the guide's exact hyperparameters (shared/notes/reference-recipe.md)
+            "num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024,
+            "dropout": 0.1, "micro_batch_size": 12, "global_batch_size": 192, "train_iters": 150000,
+            "lr": 5e-4, "min_lr": 0.0, "lr_warmup_iters": 2000, "log_interval": 10,
+            "eval_interval": 200, "eval_iters": 10, "save_interval": 2000, "timeout_s": 172800,
+        },
     },
     "smoke": {
         "00_container_setup": {"run_allreduce": True},
         "01_data_preprocessing": {"max_files": 150, "vocab_size": 1024, "split": "90,8,2"},
         "02_data_loader": {"seq_length": 64, "train_iters": 20, "blend_max_files": 60},
+        "03_training": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                        "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12, "lr_warmup_iters": 2,
+                        "log_interval": 2, "eval_interval": 6, "eval_iters": 2, "save_interval": 6,
+                        "sample_tokens": 8, "timeout_s": 300},
     },
 }
 
