@@ -1,0 +1,335 @@
+"""megatron-core <-> transformers conversion: exact on awkward shapes, strict on bad input.
+
+Tiny randomly initialised models (2 layers, hidden 48, 3 or 6 heads, vocabulary 300 or 301
+padded to 384/512 rows) with every weight and bias randomised, so a mis-permuted bias or a
+swapped layer norm changes the logits. One 2-process torchrun job proves the TP=2 path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from helpers import checkpointing, conversion
+from helpers import model as model_lib
+from helpers import tokenizer as tokenizer_lib
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 300
+
+
+def tiny(**overrides) -> model_lib.ModelConfig:
+    base = dict(num_layers=2, hidden_size=48, num_attention_heads=3, seq_length=32,
+                max_position_embeddings=32, vocab_size=VOCAB)
+    return model_lib.ModelConfig(**{**base, **overrides})
+
+
+def randomized_model(cfg: model_lib.ModelConfig, seed: int = 0):
+    """A local-spec GPTModel with every parameter random (megatron initialises biases to 0, LN to 1)."""
+    conversion.init_megatron_single_process()
+    model = model_lib.build_model(cfg, layer_spec="local").eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.1
+            p.copy_(1.0 + noise if "layernorm" in name and name.endswith("weight") else noise * 2)
+    return model
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+
+
+def hf_from_state_dict(hf_sd, cfg, vocab=VOCAB, **config_overrides):
+    from transformers import GPT2LMHeadModel
+
+    config = conversion.gpt2_config(cfg, vocab_size=vocab, eod_id=0)
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
+    hf = GPT2LMHeadModel(config).eval()
+    result = hf.load_state_dict(hf_sd, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    return hf
+
+
+def tokens(batch: int = 2, seq: int = 32, vocab: int = VOCAB, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE of exactly 300 entries (not a multiple of 128) trained on stdlib files."""
+    from helpers import corpus
+
+    files = corpus.list_python_files(corpus.stdlib_dir())[:40]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    folder = tokenizer_lib.train_tokenizer(texts, tmp_path_factory.mktemp("tok") / "tokenizer", vocab_size=VOCAB)
+    assert tokenizer_lib.vocab_size_of(folder) == VOCAB
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_checkpoint(tmp_path_factory, tokenizer_dir):
+    """A tied, erf-GELU model saved as a plain state dict (.pt) with its model_config.json."""
+    cfg = tiny()
+    model = randomized_model(cfg, seed=3)
+    folder = tmp_path_factory.mktemp("plain")
+    torch.save(model.state_dict(), folder / "model.pt")
+    meta = {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir), "iteration": 7}
+    (folder / checkpointing.MODEL_CONFIG_FILE).write_text(json.dumps(meta))
+    return folder / "model.pt", model, cfg
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, plain_checkpoint):
+    path, _, _ = plain_checkpoint
+    out = tmp_path_factory.mktemp("hf") / "hf_model"
+    result = conversion.convert_to_hf(path, out)
+    return out, result
+
+
+# --------------------------------------------------------------------------- the QKV permutation
+def test_qkv_permutation_puts_each_heads_rows_where_gpt2_reads_them():
+    heads, head_dim = 3, 4
+    h = heads * head_dim
+    weight = torch.randn(3 * h, h)
+    bias = torch.randn(3 * h)
+    c_attn_w, c_attn_b = conversion.qkv_megatron_to_hf(weight, bias, heads)
+    assert c_attn_w.shape == (h, 3 * h)
+    for head in range(heads):
+        for part in range(3):  # q, k, v
+            rows = slice(head * 3 * head_dim + part * head_dim, head * 3 * head_dim + (part + 1) * head_dim)
+            cols = slice(part * h + head * head_dim, part * h + (head + 1) * head_dim)
+            assert torch.equal(c_attn_w[:, cols], weight[rows].t()), (head, part)
+            assert torch.equal(c_attn_b[cols], bias[rows]), (head, part)
+    back_w, back_b = conversion.qkv_hf_to_megatron(c_attn_w, c_attn_b, heads)
+    assert torch.equal(back_w, weight) and torch.equal(back_b, bias)
+    perm = conversion.qkv_row_permutation(heads, head_dim)
+    assert sorted(perm.tolist()) == list(range(3 * h))
+    with pytest.raises(conversion.ConversionError, match="grouped-query"):
+        conversion.qkv_megatron_to_hf(torch.randn(2 * h, h), None, heads)
+
+
+# --------------------------------------------------------------------------- exact logits
+@pytest.mark.parametrize("overrides", [
+    dict(),  # tied, erf GELU, 3 heads, vocab 300 -> 384 rows
+    dict(num_attention_heads=6, vocab_size=301, share_embeddings_and_output_weights=False,
+         bias_activation_fusion=True),  # untied, tanh GELU (fused bias-GELU), 6 heads
+], ids=["tied-erf-3heads", "untied-tanh-6heads"])
+def test_converted_logits_equal_megatron_core(overrides):
+    cfg = tiny(**overrides)
+    model = randomized_model(cfg)
+    vocab = cfg.vocab_size
+    hf_sd = conversion.megatron_to_hf_state_dict(model.state_dict(), cfg)
+    assert hf_sd["transformer.wte.weight"].shape == (vocab, cfg.hidden_size)
+    assert (hf_sd["lm_head.weight"] is hf_sd["transformer.wte.weight"]) == cfg.share_embeddings_and_output_weights
+    hf = hf_from_state_dict(hf_sd, cfg, vocab)
+    ids = tokens(vocab=vocab)
+    reference = conversion.megatron_logits(model, ids)
+    assert reference.shape[-1] == cfg.padded_vocab_size()
+    cmp = conversion.compare_logits(reference, conversion.hf_logits(hf, ids))
+    assert cmp.max_abs_logit > 1.0, "logits too small for the comparison to mean anything"
+    assert cmp.max_abs_diff <= 1e-4
+    assert cmp.argmax_agreement == 1.0
+    # The comparison can fail: the other GELU, or QKV rows without the per-head permutation.
+    other = "gelu" if cfg.gelu == "tanh" else "gelu_new"
+    wrong_gelu = hf_from_state_dict(hf_sd, cfg, vocab, activation_function=other)
+    assert conversion.compare_logits(reference, conversion.hf_logits(wrong_gelu, ids)).max_abs_diff > 1e-4
+    unpermuted = dict(hf_sd)
+    for i in range(cfg.num_layers):
+        unpermuted[f"transformer.h.{i}.attn.c_attn.weight"] = model.state_dict()[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].t()
+    wrong_qkv = hf_from_state_dict(unpermuted, cfg, vocab)
+    assert conversion.compare_logits(reference, conversion.hf_logits(wrong_qkv, ids)).max_abs_diff > 1e-2
+
+
+def test_greedy_generation_and_validation_loss_agree():
+    cfg = tiny(num_attention_heads=6)
+    model = randomized_model(cfg, seed=5)
+    hf = hf_from_state_dict(conversion.megatron_to_hf_state_dict(model.state_dict(), cfg), cfg)
+    prompt = [5, 17, 42, 7]
+    mc = conversion.greedy_generate_megatron(model, prompt, 12, vocab_size=VOCAB)
+    assert mc == conversion.greedy_generate_hf(hf, prompt, 12)
+    assert len(mc) == 12
+    ids = tokens(batch=8, seq=33, seed=9)
+    mask = torch.ones(8, 32)
+    mask[:, :5] = 0.0
+    dataset = [{"tokens": ids[i, :-1], "labels": ids[i, 1:], "loss_mask": mask[i]} for i in range(8)]
+    kwargs = dict(num_samples=8, micro_batch_size=4)
+    hf_loss = conversion.validation_loss(lambda t: conversion.hf_logits(hf, t), dataset, **kwargs)
+    mc_real = conversion.validation_loss(lambda t: conversion.megatron_logits(model, t), dataset, vocab_size=VOCAB, **kwargs)
+    mc_full = conversion.validation_loss(lambda t: conversion.megatron_logits(model, t), dataset, **kwargs)
+    assert abs(hf_loss - mc_real) <= 1e-5
+    # Megatron's softmax also spans the 84 padding columns: its loss is higher by -log(1 - p_pad).
+    terms = []
+    for start in (0, 4):
+        probs = conversion.megatron_logits(model, ids[start:start + 4, :-1]).softmax(-1)
+        gap = -torch.log1p(-probs[..., VOCAB:].sum(-1))
+        m = mask[start:start + 4]
+        terms.append(((gap * m).sum() / m.sum()).item())
+    assert mc_full - hf_loss > 1e-3
+    assert mc_full - hf_loss == pytest.approx(sum(terms) / 2, abs=1e-5)
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        conversion.validation_loss(lambda t: conversion.hf_logits(hf, t), dataset, num_samples=6, micro_batch_size=4)
+
+
+# --------------------------------------------------------------------------- the transformers folder
+def test_convert_to_hf_writes_a_complete_exact_folder(plain_checkpoint, hf_folder, tokenizer_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, pipeline
+
+    _, model, cfg = plain_checkpoint
+    out, result = hf_folder
+    assert result.vocab_size == VOCAB and result.padded_rows_removed == 384 - VOCAB
+    assert result.activation_function == "gelu" and result.tied and result.iteration == 7
+    config = AutoConfig.from_pretrained(out)
+    assert (config.n_layer, config.n_embd, config.n_head, config.n_positions, config.vocab_size) == (2, 48, 3, 32, VOCAB)
+    assert config.activation_function == "gelu" and config.layer_norm_epsilon == cfg.layernorm_epsilon
+    assert config.tie_word_embeddings is True
+    assert all(conversion.tokenizer_files_identical(out, tokenizer_dir).values())
+    eod = tokenizer_lib.eod_id(tokenizer_dir)
+    assert GenerationConfig.from_pretrained(out).eos_token_id == eod
+    assert json.loads((out / conversion.CONVERSION_FILE).read_text())["padded_rows_removed"] == 84
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tokens(seed=4)
+    assert conversion.compare_logits(conversion.megatron_logits(model, ids), conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    tok = AutoTokenizer.from_pretrained(out)
+    prompt = "def hello_world():"
+    generator = pipeline("text-generation", model=str(out), device="cpu")
+    text = generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    expected = conversion.greedy_generate_megatron(model, tok(prompt)["input_ids"], 6, vocab_size=VOCAB, eod_id=eod)
+    assert text == prompt + tok.decode(expected)
+
+
+def test_existing_output_is_kept_unless_overwrite(plain_checkpoint, hf_folder):
+    path, _, _ = plain_checkpoint
+    out, _ = hf_folder
+    before = (out / "model.safetensors").read_bytes()
+    (out / "marker.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        conversion.convert_to_hf(path, out)
+    assert (out / "marker.txt").read_text() == "keep me"
+    result = conversion.convert_to_hf(path, out, overwrite=True)
+    assert result.output_dir == out and not (out / "marker.txt").exists()
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_round_trip_hf_megatron_hf_is_bit_identical(hf_folder, tmp_path):
+    from safetensors.torch import load_file
+
+    out, _ = hf_folder
+    folder = conversion.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints", iteration=11)
+    assert folder.name == "iter_0000011" and checkpointing.latest_iteration(tmp_path / "checkpoints") == 11
+    with pytest.raises(FileExistsError, match="already holds a checkpoint"):
+        conversion.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints")
+    back = tmp_path / "hf_again"
+    result = conversion.convert_to_hf(tmp_path / "checkpoints", back, tokenizer_dir=out)
+    assert result.iteration == 11 and result.padded_rows_removed == 84
+    first, second = load_file(out / "model.safetensors"), load_file(back / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((out / "config.json").read_text()) == json.loads((back / "config.json").read_text())
+    report = conversion.legacy_converter_report(tmp_path / "checkpoints")
+    assert report["converter_in_installed_transformers"] is False
+    assert report["legacy_file"] is False and report["legacy_keys_present"] is False
+    assert report["checkpoint_keys"][0].startswith("decoder.")
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+def test_tp2_checkpoint_converts_to_the_same_model_as_tp1(tmp_path, tokenizer_dir):
+    """TP=1 checkpoint -> (torchrun, 2 ranks) resharded TP=2 checkpoint + TP=2 logits -> both to HF."""
+    cfg = tiny(num_attention_heads=6, share_embeddings_and_output_weights=False)
+    model = randomized_model(cfg, seed=8)
+    meta = {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir), "tensor_model_parallel_size": 1}
+    checkpointing.save_checkpoint(tmp_path / "tp1", 4, {"model": model.sharded_state_dict()}, meta)
+    ids = tokens(seed=12)
+    run = conversion.run_tensor_parallel(2, load=tmp_path / "tp1", tokens=ids, save=tmp_path / "tp2", on_line=None)
+    assert run.saved.name == "iter_0000004"
+    assert run.logits.shape == (2, 32, cfg.padded_vocab_size(2)) == (2, 32, 512)
+    tp2 = conversion.load_megatron_checkpoint(tmp_path / "tp2")
+    assert tp2.tensor_model_parallel_size == 2
+    assert tp2.state_dict["embedding.word_embeddings.weight"].shape[0] == 512
+    hf_tp1 = conversion.megatron_to_hf_state_dict(model.state_dict(), cfg)
+    hf_tp2 = conversion.megatron_to_hf_state_dict(tp2.state_dict, tp2.meta, VOCAB)
+    assert hf_tp1.keys() == hf_tp2.keys()
+    assert all(torch.equal(hf_tp1[k], hf_tp2[k]) for k in hf_tp1)
+    hf = hf_from_state_dict(hf_tp2, cfg)
+    assert conversion.compare_logits(run.logits, conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    resharded = model_lib.build_model(cfg, layer_spec="local").eval()
+    conversion.load_into_model(resharded, tmp_path / "tp2" / "iter_0000004")
+    assert all(torch.equal(v, weights(model)[k]) for k, v in weights(resharded).items())
+
+
+# --------------------------------------------------------------------------- refusals and bad input
+@pytest.mark.parametrize("variant,reason", [
+    ("rope", "rotary"), ("rmsnorm", "RMSNorm"), ("swiglu", "SwiGLU"), ("gqa", "grouped-query"),
+])
+def test_other_architectures_are_refused_with_the_reason(variant, reason):
+    import dataclasses
+
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    conversion.init_megatron_single_process()
+    cfg = tiny(num_attention_heads=6)
+    tc = model_lib.transformer_config(cfg)
+    tc = {"rope": tc, "rmsnorm": dataclasses.replace(tc, normalization="RMSNorm"),
+          "swiglu": dataclasses.replace(tc, gated_linear_unit=True, activation_func=F.silu),
+          "gqa": dataclasses.replace(tc, num_query_groups=2)}[variant]
+    other = GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(normalization=tc.normalization),
+                     vocab_size=384, max_sequence_length=32,
+                     position_embedding_type="rope" if variant == "rope" else "learned_absolute")
+    with pytest.raises(conversion.ConversionError, match=reason):
+        conversion.megatron_to_hf_state_dict(other.state_dict(), cfg)  # metadata claiming GPT-2 does not help
+    meta = {**cfg.to_metadata(), "position_embedding_type": "rope", "normalization": "RMSNorm", "num_query_groups": 2}
+    with pytest.raises(conversion.ConversionError) as err:
+        conversion.check_architecture(meta)
+    assert all(word in str(err.value) for word in ("RoPE", "RMSNorm", "grouped-query"))
+
+
+def test_unknown_missing_and_inconsistent_keys_are_listed(plain_checkpoint):
+    _, model, cfg = plain_checkpoint
+    sd = model.state_dict()
+    with pytest.raises(conversion.ConversionError, match=r"unknown keys \(1\): \['decoder.layers.0.mlp.router.weight'\]"):
+        conversion.megatron_to_hf_state_dict({**sd, "decoder.layers.0.mlp.router.weight": torch.zeros(2, 48)}, cfg)
+    missing = {k: v for k, v in sd.items() if k != "decoder.layers.1.pre_mlp_layernorm.bias"}
+    with pytest.raises(conversion.ConversionError, match=r"missing keys \(1\): \['decoder.layers.1.pre_mlp_layernorm.bias'\]"):
+        conversion.megatron_to_hf_state_dict(missing, cfg)
+    with pytest.raises(conversion.ConversionError, match="missing keys .*output_layer.weight"):
+        conversion.megatron_to_hf_state_dict(sd, tiny(share_embeddings_and_output_weights=False))
+    untied = {**sd, "output_layer.weight": torch.randn_like(sd["embedding.word_embeddings.weight"])}
+    with pytest.raises(conversion.ConversionError, match="tied_embeddings=False"):
+        conversion.megatron_to_hf_state_dict(untied, cfg)
+    with pytest.raises(conversion.ConversionError, match="fewer than the tokenizer"):
+        conversion.megatron_to_hf_state_dict(sd, cfg, vocab_size=400)
+
+
+def test_bad_paths_and_tokenizers_are_clear_errors(plain_checkpoint, tokenizer_dir, tmp_path):
+    path, _, cfg = plain_checkpoint
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        conversion.convert_to_hf(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(conversion.ConversionError, match="not a megatron-core checkpoint"):
+        conversion.convert_to_hf(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(conversion.ConversionError, match="not a .pt/.pth state dict"):
+        conversion.convert_to_hf(tmp_path / "notes.txt", tmp_path / "out")
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(path, lone / "model.pt")
+    with pytest.raises(conversion.ConversionError, match="pass model_config="):
+        conversion.convert_to_hf(lone / "model.pt", tmp_path / "out")
+    partial = tmp_path / "partial_tokenizer"
+    partial.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_dir / name, partial / name)
+    with pytest.raises(FileNotFoundError, match=r"lacks \['tokenizer.json', 'tokenizer_config.json'\]"):
+        conversion.convert_to_hf(path, tmp_path / "out", tokenizer_dir=partial)
+    small = tokenizer_lib.train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, tmp_path / "small", vocab_size=280)
+    with pytest.raises(conversion.ConversionError, match="pass the tokenizer folder that training used"):
+        conversion.convert_to_hf(path, tmp_path / "out", tokenizer_dir=small)
+    assert not (tmp_path / "out").exists(), "a failed conversion leaves no output folder"
