@@ -564,9 +564,9 @@ def plot_roofline(roofline: Roofline, points: Sequence[tuple[str, float, float]]
                     f"{roofline.peak_flops_per_s / 1e9:.0f} GFLOP/s ({roofline.dtype} matmul)")
     ax.axvline(roofline.ridge_intensity, color="grey", ls=":",
                label=f"ridge point {roofline.ridge_intensity:.1f} FLOP/byte")
-    markers = "osD^v<>ph*"
+    markers, cmap = "osD^v<>ph*", plt.get_cmap("tab20")
     for i, (label, x, y) in enumerate(points):
-        ax.loglog([x], [y / 1e9], markers[i % len(markers)], ms=8, label=label)
+        ax.loglog([x], [y / 1e9], markers[i % len(markers)], ms=8, color=cmap(i % 20), label=label)
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_ylabel("performance (GFLOP/s)")
     ax.set_title(title)
@@ -674,11 +674,11 @@ class Candidate:
     check: Callable[[], float]
 
 
-def _gpu_reason(what: str, device: str, available: bool, needs: str) -> str | None:
+def _gpu_reason(device: str, available: bool, needs: str) -> str | None:
     if device != "cuda":
-        return f"{what}: needs a CUDA GPU (this run is on {device})"
+        return f"needs a CUDA GPU and {needs} (this run is on {device})"
     if not available:
-        return f"{what}: {needs} is not importable here"
+        return f"{needs} is not importable here"
     return None
 
 
@@ -843,7 +843,7 @@ def fusion_candidates(op: str, shape: Sequence[int], *, device: str = "cpu",
             c = lambda: compiled(x, w, b, eps)  # noqa: E731
             cands.append(Candidate(op, "torch_compile", "torch.compile: LayerNorm op by op", c, "fused",
                                    "torch.compile (Inductor)", lambda: diff(c(), ref)))
-        reason = _gpu_reason("Apex FusedLayerNorm", device, apex["FusedLayerNorm"], "NVIDIA Apex (apex.normalization)")
+        reason = _gpu_reason(device, apex["FusedLayerNorm"], "NVIDIA Apex (apex.normalization)")
         if reason:
             skipped["Apex FusedLayerNorm"] = reason
         else:
@@ -856,7 +856,7 @@ def fusion_candidates(op: str, shape: Sequence[int], *, device: str = "cpu",
             cands.append(Candidate(op, "apex", "Apex FusedLayerNorm", a, "fused",
                                    "apex/normalization/fused_layer_norm.py",
                                    lambda: diff(a(), ref)))
-        reason = _gpu_reason("Transformer Engine LayerNorm", device, te is not None, "transformer_engine")
+        reason = _gpu_reason(device, te is not None, "Transformer Engine")
         if reason:
             skipped["Transformer Engine LayerNorm"] = reason
         else:
@@ -963,32 +963,30 @@ def benchmark_fusions(shapes: Mapping[str, Sequence[int]], *, device: str = "cpu
 
 
 def plot_speedups(bench: FusionBenchmark, title: str = "Measured speedup over eager, per op"):
-    """Grouped bar plot of :class:`FusionBenchmark` speedups (IQR as error bars); returns the Figure."""
+    """Horizontal bars of :class:`FusionBenchmark` speedups (log scale, IQR whiskers); returns the Figure."""
     import matplotlib.pyplot as plt
 
-    ops = list(dict.fromkeys(r["op"] for r in bench.rows))
-    width = 0.8 / max(sum(r["op"] == op for r in bench.rows) for op in ops)
     colors = {"unfused": "tab:grey", "unfused_formula": "tab:red", "fused": "tab:blue"}
-    fig, ax = plt.subplots(figsize=(10, 5))
+    rows = bench.rows[::-1]  # first op at the top
+    base = {r["op"]: r["median_ms"] for r in bench.rows if r["key"] == "eager"}
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     seen: set[str] = set()
-    for i, op in enumerate(ops):
-        rows = [r for r in bench.rows if r["op"] == op]
-        base = rows[0]["median_ms"]
-        for j, r in enumerate(rows):
-            x = i + (j - (len(rows) - 1) / 2) * width
-            y = r["speedup_vs_eager"]
-            err = [[y - base / r["q75_ms"]], [base / r["q25_ms"] - y]]
-            label = r["form"] if r["form"] not in seen else None
-            seen.add(r["form"])
-            ax.bar(x, y, width * 0.9, yerr=err, capsize=2, color=colors.get(r["form"], "tab:green"), label=label)
-            ax.text(x, y, f" {r['implementation']}", rotation=90, va="bottom", ha="center", fontsize=6)
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(ops)), ops)
-    ax.set_yscale("log")
-    ax.set_ylabel("speedup over the op's eager baseline (x, log scale)")
-    ax.set_xlabel(f"op ({bench.device}, {bench.dtype}; bars: median, whiskers: interquartile range)")
+    for i, r in enumerate(rows):
+        y = r["speedup_vs_eager"]
+        b = base.get(r["op"], r["median_ms"])
+        err = [[y - b / r["q75_ms"]], [b / r["q25_ms"] - y]]
+        label = r["form"] if r["form"] not in seen else None
+        seen.add(r["form"])
+        ax.barh(i, y, xerr=err, capsize=2, color=colors.get(r["form"], "tab:green"), label=label)
+        ax.text(y * 1.05, i, f"{y:.2f}x", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [f"{r['op']}: {r['implementation']}" for r in rows], fontsize=7)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_ylabel("op: implementation")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"speedup over the op's eager baseline (x, log scale; {bench.device}, {bench.dtype}; "
+                  "whiskers: interquartile range)")
     ax.set_title(title)
-    ax.legend(title="form")
+    ax.legend(title="form", loc="best", fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -1079,9 +1077,9 @@ def adamw_unavailable_reason(implementation: str, device: str | None = None) -> 
     device = _device_type(device)
     if implementation == "apex-fused":
         if device != "cuda":
-            return f"Apex FusedAdam: needs a CUDA GPU (this run is on {device})"
+            return f"needs a CUDA GPU and NVIDIA Apex (this run is on {device})"
         if not environment.nvidia_apex()["FusedAdam"]:
-            return ("Apex FusedAdam: NVIDIA Apex is not installed (it is not on PyPI: build it from source "
+            return ("NVIDIA Apex is not installed (it is not on PyPI: build it from source "
                     "or use the NGC PyTorch container)")
     return None
 
@@ -1289,6 +1287,12 @@ class FlagsBenchmark:
     micro_batch_size: int
     seq_length: int
 
+    @property
+    def flags_clearly_faster(self) -> bool:
+        """True when flags-on is at least 5% faster and its quartiles lie below flags-off's."""
+        on, off = self.timings["flags on"], self.timings["flags off"]
+        return self.speedup >= 1.05 and on.q75_s < off.q25_s
+
 
 def benchmark_fusion_flags(cfg: Any, *, micro_batch_size: int = 2, warmup: int = 2, repeats: int = 3,
                            device: str | None = None, seed: int = 1234) -> FlagsBenchmark:
@@ -1400,10 +1404,11 @@ def recommended_fusion_flags(device: str | None = None,
 
     CUDA: all of :data:`FUSION_FLAGS` True (Megatron-LM's defaults in ``pretrain_gpt.py``; on
     a GPU each fused kernel saves memory passes). CPU: from notebook 04's measured training
-    step (``fusion_flags_step_speedup`` in ``summary.json``) when ``run_dir`` has one: True only
-    if the flags made the step at least 5% faster; otherwise False, because on CPU the softmax
-    kernel does not exist, the step time measured the same within noise, every new process
-    pays the compilation, and ``bias_activation_fusion`` switches GELU from erf to tanh.
+    step (``fusion_flags_clearly_faster`` in ``summary.json``, see
+    :attr:`FlagsBenchmark.flags_clearly_faster`) when ``run_dir`` has one for a CPU; otherwise
+    False, because on CPU the softmax kernel does not exist, the step time measured the same
+    within noise, every new process pays the compilation, and ``bias_activation_fusion``
+    switches GELU from erf to tanh.
 
     Returns:
         ``{flag: bool}`` for each of :data:`FUSION_FLAGS`, to pass to ``ModelConfig``.
@@ -1411,6 +1416,5 @@ def recommended_fusion_flags(device: str | None = None,
     device = _device_type(device)
     if device == "cuda":
         return {f: True for f in FUSION_FLAGS}
-    speedup = _measured(run_dir, device).get("fusion_flags_step_speedup")
-    on = isinstance(speedup, (int, float)) and speedup >= 1.05
-    return {f: bool(on) for f in FUSION_FLAGS}
+    on = _measured(run_dir, device).get("fusion_flags_clearly_faster") is True
+    return {f: on for f in FUSION_FLAGS}

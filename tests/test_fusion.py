@@ -221,7 +221,7 @@ def test_benchmark_fusions_rows_are_consistent():
                                      "bias_gelu_megatron_fused"}
     assert bench.best("layernorm")["median_ms"] == min(r["median_ms"] for r in ln)
     fig = fusion.plot_speedups(bench)
-    assert "speedup" in fig.axes[0].get_ylabel()
+    assert "speedup" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(bench.rows)
 
 
 # ------------------------------------------------------------------------------ AdamW
@@ -296,6 +296,7 @@ def test_fusion_flags_change_only_the_gelu():
     assert math.isfinite(off) and abs(off - on) < 1e-3
     assert fb.speedup == pytest.approx(fb.timings["flags off"].median_s / fb.timings["flags on"].median_s)
     assert fb.first_step_s["flags on"] > 0
+    assert fb.flags_clearly_faster == (fb.speedup >= 1.05 and fb.timings["flags on"].q75_s < fb.timings["flags off"].q25_s)
 
 
 def test_recommendations_default_and_follow_the_measurement(tmp_path):
@@ -306,7 +307,7 @@ def test_recommendations_default_and_follow_the_measurement(tmp_path):
     assert fusion.adamw_implementation("cpu", tmp_path) == "fused"  # no summary yet
     results.record(tmp_path, fusion.NOTEBOOK, "device", "cpu")
     results.record(tmp_path, fusion.NOTEBOOK, "adamw_fastest", "foreach")
-    results.record(tmp_path, fusion.NOTEBOOK, "fusion_flags_step_speedup", 1.2)
+    results.record(tmp_path, fusion.NOTEBOOK, "fusion_flags_clearly_faster", True)
     assert fusion.adamw_implementation("cpu", tmp_path) == "foreach"
     assert fusion.recommended_fusion_flags("cpu", tmp_path) == {f: True for f in fusion.FUSION_FLAGS}
     results.record(tmp_path, fusion.NOTEBOOK, "adamw_fastest", "apex-fused")  # unavailable here
