@@ -1,0 +1,413 @@
+"""Training benchmark: the series' megatron-core loop against transformers' ``Trainer``.
+
+Both sides train the same GPT-2 shape (the ``cpu`` model profile: 4 layers, hidden 256,
+4 heads, sequence length 256, vocabulary 8,192; ``helpers.conversion.gpt2_config`` gives
+``GPT2LMHeadModel`` identical dimensions) on the same samples (the same megatron-core
+``GPTDataset``, read in order) with the same batch (micro-batch 8, global batch 16: two
+micro-batches of gradient accumulation), optimizer (fused AdamW, lr 1e-3, weight decay 0.1
+without decay on biases and LayerNorm, clip 1.0), fp32 on CPU:
+
+* ``megatron``: :func:`helpers.training.setup` + :func:`helpers.training.train_step` (GPTModel
+  with the local layer spec, megatron-core DDP, ``get_forward_backward_func`` schedule,
+  ``OptimizerParamScheduler``), the loop notebook 03 runs;
+* ``trainer``: ``transformers.Trainer`` + ``GPT2LMHeadModel`` (``sdpa`` attention by
+  default, ``--hf-attention eager`` for the unfused path), the labels given as
+  ``shift_labels`` so both sides predict the same ``seq_length`` tokens per sample.
+
+Each side runs in its own process (``torch.set_num_threads(--threads)``), the runs are
+interleaved, and the first ``--warmup`` iterations of each run are left out of the timing.
+Reported: seconds per iteration (median over the timed iterations of every run, then over
+runs), tokens/s, peak memory of the process, and the losses (both must fall from about
+ln(vocab)).
+
+On a CUDA GPU (``--device cuda``) the same comparison runs the ``codeparrot-small``
+profile (12 layers, hidden 768, sequence 1024, micro-batch 12) in bf16 for a fixed number
+of iterations and adds MFU (model FLOPs utilisation: ``flops_per_token x tokens/s`` over
+the GPU's peak dense bf16 FLOP/s). Without CUDA it stops with a message saying so.
+
+Run (from the repository root)::
+
+    python -m bench.training                    # CPU, about 3-4 minutes on 2 cores
+    python -m bench.training --device cuda      # a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+OUT_DIR = "bench_training"
+RESULT_LINE = "BENCH_RESULT "
+SIDES = ("megatron", "trainer")
+
+#: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs, for MFU. Sources: NVIDIA
+#: data sheets (A100: 312 TFLOP/s; H100/H200 SXM: 989 TFLOP/s; H100 PCIe: 756; L40S: 362).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+    "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+}
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of ``device_name`` (``torch.cuda.get_device_name()``), or
+    ``override_tflops x 1e12``; ``None`` when the GPU is not in :data:`PEAK_BF16_FLOPS`."""
+    if override_tflops:
+        return override_tflops * 1e12
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, 0..1).
+
+    Source: Chowdhery et al. 2022 (PaLM), appendix B; ``flops_per_token`` from
+    :func:`helpers.model.flops_per_token` (forward + backward, no recomputation counted).
+    """
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_second / peak
+
+
+def timed_iterations(step_end_times: list[float], start_time: float, warmup: int) -> list[float]:
+    """Seconds of each iteration after the first ``warmup`` ones.
+
+    Args:
+        step_end_times: ``time.perf_counter()`` at the end of every iteration, in order.
+        start_time: ``time.perf_counter()`` just before the first iteration.
+        warmup: iterations to leave out (allocator and thread-pool warm-up).
+
+    Raises:
+        ValueError: fewer than ``warmup + 1`` iterations.
+    """
+    if len(step_end_times) <= warmup:
+        raise ValueError(f"{len(step_end_times)} iterations ran but warmup={warmup}: run more iterations")
+    ends = [start_time] + list(step_end_times)
+    durations = [b - a for a, b in zip(ends[:-1], ends[1:])]
+    return durations[warmup:]
+
+
+# --------------------------------------------------------------------------- configuration
+def training_config(opts: dict[str, Any]):
+    """The :class:`helpers.training.TrainingConfig` both sides use, from the benchmark options."""
+    from helpers import training
+
+    model_overrides: dict[str, Any] = {"vocab_size": opts["vocab_size"]}
+    if opts.get("seq_length"):
+        model_overrides.update(seq_length=opts["seq_length"], max_position_embeddings=max(opts["seq_length"], 256))
+    if opts["profile"] == "codeparrot-small":
+        model_overrides.update(max_position_embeddings=max(1024, opts.get("seq_length") or 1024))
+    return training.profile(
+        opts["profile"], opts["run_dir"], model=model_overrides, micro_batch_size=opts["micro_batch_size"],
+        global_batch_size=opts["global_batch_size"], train_iters=opts["iters"], lr_warmup_iters=1,
+        lr_decay_iters=max(opts["iters"], 2), save_interval=None, eval_interval=opts["iters"], eval_iters=1,
+        precision="auto", split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
+        tensorboard_dir=str(Path(opts["out_dir"]) / "tensorboard"),
+        metrics_path=str(Path(opts["out_dir"]) / "metrics.jsonl"),
+    )
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- the two sides (child processes)
+def _side_megatron(opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from helpers import training
+
+    _set_threads(opts["threads"])
+    cfg = training_config(opts)
+    t0 = time.perf_counter()
+    trainer = training.setup(cfg)
+    setup_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in trainer.bare_model.parameters())
+    ends, losses = [], []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(cfg.train_iters):
+        out = training.train_step(trainer)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+        losses.append(out["lm_loss"])
+    gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    training.destroy_distributed()
+    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]),
+            "losses": losses, "parameters": n_params, "precision": trainer.precision,
+            "optimizer": trainer.optimizer_name, "gpu_peak_allocated_bytes": gpu_peak,
+            "implementation": f"megatron-core GPTModel ({getattr(trainer.bare_model, 'layer_spec_name', '?')} spec)"}
+
+
+class _ShiftedGPTDataset:
+    """A megatron-core ``GPTDataset`` as transformers ``Trainer`` samples.
+
+    ``input_ids`` = the sample's ``tokens`` ``[seq]`` and ``shift_labels`` = its ``labels``
+    (the next tokens), so ``GPT2LMHeadModel``'s loss (``ForCausalLMLoss`` with
+    ``shift_labels``) covers the same ``seq`` predictions as megatron-core's.
+    """
+
+    def __init__(self, dataset, num_samples: int):
+        self.dataset, self.num_samples = dataset, num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        s = self.dataset[i % len(self.dataset)]
+        labels = torch.as_tensor(s["labels"]).long()
+        return {"input_ids": torch.as_tensor(s["tokens"]).long(), "labels": labels, "shift_labels": labels}
+
+
+def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from helpers import conversion, training
+    from helpers import tokenizer as tokenizer_mod
+
+    _set_threads(opts["threads"])
+    cfg = training_config(opts)
+    cuda = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    train_ds, _, _ = training.build_datasets(cfg)
+    hf_config = conversion.gpt2_config(cfg.model, eod_id=tokenizer_mod.eod_id(cfg.tokenizer_path))
+    hf_config._attn_implementation = opts["hf_attention"]
+    torch.manual_seed(cfg.seed)
+    model = GPT2LMHeadModel(hf_config)
+    n_params = sum(p.numel() for p in model.parameters())
+    ends: list[float] = []
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            marks["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    accumulation = cfg.global_batch_size // cfg.micro_batch_size
+    args = TrainingArguments(
+        output_dir=str(Path(opts["out_dir"]) / "trainer"), max_steps=cfg.train_iters,
+        per_device_train_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=accumulation,
+        learning_rate=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_eps, max_grad_norm=cfg.clip_grad, warmup_steps=cfg.lr_warmup_iters,
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": cfg.min_lr},
+        optim="adamw_torch_fused", logging_strategy="steps", logging_steps=1, save_strategy="no",
+        eval_strategy="no", report_to="none", disable_tqdm=True, seed=cfg.seed, data_seed=cfg.seed,
+        train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
+        dataloader_pin_memory=cuda, use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
+    )
+    dataset = _ShiftedGPTDataset(train_ds, cfg.train_iters * cfg.global_batch_size)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Clock()])
+    setup_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, marks["start"], opts["warmup"]),
+            "losses": losses, "parameters": n_params, "precision": "bf16" if args.bf16 else "fp32",
+            "optimizer": f"Trainer optim={args.optim}",
+            "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "implementation": f"transformers GPT2LMHeadModel ({opts['hf_attention']} attention)"}
+
+
+# --------------------------------------------------------------------------- the benchmark
+def _print_result(result: dict[str, Any]) -> None:
+    print(RESULT_LINE + json.dumps(result), flush=True)
+
+
+def read_result(stdout: str) -> dict[str, Any]:
+    """The JSON a side printed on its ``BENCH_RESULT`` line.
+
+    Raises:
+        ValueError: no such line.
+    """
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_LINE):
+            return json.loads(line[len(RESULT_LINE):])
+    raise ValueError(f"no {RESULT_LINE.strip()} line in the output:\n{stdout[-2000:]}")
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA GPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Data (cached), options for the children, and the checks that must pass before any run.
+
+    Raises:
+        SystemExit: ``--device cuda`` without a CUDA GPU (the message says what runs instead).
+    """
+    from helpers.preprocess import ensure_data
+
+    if args.device == "cuda" and not cuda_available():
+        raise SystemExit(
+            "CUDA is not available on this machine: the GPU benchmark (codeparrot-small profile, bf16, MFU) "
+            "needs an NVIDIA GPU and a CUDA build of torch. Nothing was run. On this machine run the CPU "
+            "benchmark: python -m bench.training"
+        )
+    profile = "codeparrot-small" if args.device == "cuda" else "cpu"
+    run_dir = Path(args.run_dir or common.ROOT / "runs" / ("bench" if profile == "cpu" else "bench-codeparrot-small"))
+    vocab = 8192 if profile == "cpu" else 32768
+    paths = ensure_data(run_dir, vocab_size=vocab, progress=False)
+    micro = args.micro_batch_size or (8 if profile == "cpu" else 12)
+    global_batch = args.global_batch_size or (16 if profile == "cpu" else 192)
+    out = run_dir / OUT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    return {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,
+            "iters": args.iters or (12 if profile == "cpu" else 30), "warmup": args.warmup,
+            "micro_batch_size": micro, "global_batch_size": global_batch, "threads": args.threads,
+            "seq_length": args.seq_length, "hf_attention": args.hf_attention, "device": args.device}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run both sides ``--repeats`` times, interleaved; returns the result dict."""
+    import torch
+
+    opts = prepare(args)
+    config_path = Path(opts["out_dir"]) / "bench_options.json"
+    config_path.write_text(json.dumps(opts, indent=2) + "\n")
+    env = common.child_env({"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+                            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("MASTER_PORT", None)
+    machine = common.machine_info()
+    cfg = training_config(opts)
+    tokens_per_iter = cfg.global_batch_size * cfg.model.seq_length
+    print(f"profile {opts['profile']}: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+          f"{cfg.model.num_attention_heads} heads, seq {cfg.model.seq_length}, vocab {cfg.model.vocab_size}; "
+          f"micro-batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size} ({tokens_per_iter} tokens/iteration); "
+          f"{opts['iters']} iterations ({opts['warmup']} warm-up) per run, {args.threads} threads; "
+          f"load average {machine['load_average']}", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    stats = {side: common.SideStats(side) for side in SIDES}
+    for r, order in enumerate(common.interleaved_orders(list(SIDES), args.repeats), 1):
+        for side in order:
+            m = common.run_measured([sys.executable, "-m", "bench.training", f"_{side}", str(config_path)],
+                                    env=env, cwd=common.ROOT, timeout_s=args.timeout_s, what=f"the {side} side")
+            res = read_result(m.stdout)
+            per_iter = common.median(res["iteration_seconds"])
+            stats[side].add(m, per_iter)
+            runs[side].append(res | {"wall_seconds": m.wall_seconds, "peak_rss_mb": m.peak_rss_mb})
+            print(f"  repeat {r}/{args.repeats} {side:<8}: {per_iter:.3f} s/iteration "
+                  f"({tokens_per_iter / per_iter:,.0f} tokens/s), loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}, "
+                  f"set-up {res['setup_seconds']:.1f} s, process {m.wall_seconds:.1f} s, peak RSS {m.peak_rss_mb:.0f} MB",
+                  flush=True)
+    from helpers.model import flops_per_token
+
+    fpt = flops_per_token(cfg.model)
+    peak = peak_flops(torch.cuda.get_device_name(), args.peak_tflops) if args.device == "cuda" else None
+    sides = {}
+    for side in SIDES:
+        s = stats[side].summary()
+        all_iters = [x for run_ in runs[side] for x in run_["iteration_seconds"]]
+        s_per_iter = common.median(all_iters)
+        tps = tokens_per_iter / s_per_iter
+        sides[side] = {
+            "implementation": runs[side][0]["implementation"], "optimizer": runs[side][0]["optimizer"],
+            "precision": runs[side][0]["precision"], "parameters": runs[side][0]["parameters"],
+            "seconds_per_iteration_median": s_per_iter,
+            "seconds_per_iteration_run_medians": [round(x, 4) for x in s["phase_seconds"]],
+            "tokens_per_second": tps, "peak_rss_mb_median": s["peak_rss_mb_median"],
+            "peak_pss_mb_median": s["peak_pss_mb_median"],
+            "setup_seconds_median": common.median(r_["setup_seconds"] for r_ in runs[side]),
+            "process_seconds_median": s["wall_seconds_median"],
+            "first_loss": runs[side][0]["losses"][0], "last_loss": runs[side][0]["losses"][-1],
+            "losses_first_run": runs[side][0]["losses"],
+            "gpu_peak_allocated_gb": (runs[side][0]["gpu_peak_allocated_bytes"] or 0) / 2**30 or None,
+            "mfu": mfu(fpt, tps, peak),
+        }
+    return {
+        "benchmark": "training", "machine": machine, "load_average_after": common.load_average(),
+        "options": opts, "tokens_per_iteration": tokens_per_iter, "flops_per_token": fpt,
+        "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
+        "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
+                                                                      sides["trainer"]["tokens_per_second"]),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak_flops": peak,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    """The result as a markdown table plus the ratio."""
+    rows = []
+    for side, s in result["sides"].items():
+        mfu_cell = f"{100 * s['mfu']:.1f} %" if s["mfu"] is not None else "n/a (CPU)"
+        rows.append([s["implementation"], s["seconds_per_iteration_median"], s["tokens_per_second"],
+                     s["peak_rss_mb_median"], f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}",
+                     s["setup_seconds_median"], mfu_cell])
+    table = common.markdown_table(["side", "s/iteration (median)", "tokens/s", "peak RSS MB", "loss first -> last",
+                                   "set-up s", "MFU"], rows)
+    o = result["options"]
+    head = (f"Profile `{o['profile']}` on {o['device']}: {result['tokens_per_iteration']} tokens per iteration "
+            f"(micro-batch {o['micro_batch_size']}, global batch {o['global_batch_size']}), {o['iters']} iterations "
+            f"per run of which {o['warmup']} warm-up, {result['repeats']} interleaved runs per side, "
+            f"{o['threads']} threads. Load average before {result['machine']['load_average']}, "
+            f"after {result['load_average_after']}.")
+    ratio = result["speedup_tokens_per_second_megatron_vs_trainer"]
+    return f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x**\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("_megatron", "_trainer"):
+        opts = json.loads(Path(argv[1]).read_text())
+        fn = _side_megatron if argv[0] == "_megatron" else _side_trainer
+        _print_result(fn(opts))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: the `cpu` profile in fp32; cuda: `codeparrot-small` in bf16 with MFU")
+    parser.add_argument("--run-dir", default=None, help="run folder for data and outputs (default runs/bench)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 12 on CPU, 30 on GPU)")
+    parser.add_argument("--warmup", type=int, default=2, help="iterations per run left out of the timing (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side (default 2)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default 8 (CPU) / 12 (GPU)")
+    parser.add_argument("--global-batch-size", type=int, default=None, help="default 16 (CPU) / 192 (GPU)")
+    parser.add_argument("--seq-length", type=int, default=None, help="default: the profile's (256 / 1024)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side (default 2)")
+    parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="GPT2LMHeadModel attention (default sdpa, what transformers picks)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="GPU peak dense bf16 TFLOP/s for MFU")
+    parser.add_argument("--timeout-s", type=float, default=280.0, help="limit per run, seconds")
+    parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_training.json)")
+    args = parser.parse_args(argv)
+    if args.iters is not None and args.iters <= args.warmup:
+        parser.error(f"--iters={args.iters} must be above --warmup={args.warmup}")
+    try:
+        result = run(args)
+    except common.BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    path = common.write_json(args.json or Path(result["options"]["run_dir"]) / "bench_training.json", result)
+    print()
+    print(report(result))
+    print(f"result: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Unit tests of the helpers in bench/ (the benchmark runs themselves are not part of the suite)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import common
+from bench import preprocess as bench_pre
+from bench import series as bench_series
+from bench import training as bench_train
+
+ALLOC = "import numpy as np, time; a = np.ones({n}, dtype=np.uint8); time.sleep({s})"
+
+
+# --------------------------------------------------------------------------- measuring processes
+def test_run_measured_counts_the_peak_memory_of_the_whole_tree():
+    child = ALLOC.format(n=150_000_000, s=1.0)
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    m = common.run_measured([sys.executable, "-c", parent], timeout_s=60, sample_interval_s=0.02)
+    assert m.returncode == 0
+    assert m.wall_seconds >= 1.0
+    assert m.peak_rss_bytes >= 150_000_000  # the grandchild's array, seen from the parent
+    assert m.peak_rss_bytes < 1_500_000_000
+    assert 0 < m.peak_pss_bytes <= m.peak_rss_bytes
+
+
+def test_run_measured_kills_the_process_group_on_timeout(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    grandchild = "import time; time.sleep(60)"
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    start = time.perf_counter()
+    with pytest.raises(common.BenchError, match="timeout_s=2"):
+        common.run_measured([sys.executable, "-c", parent], timeout_s=2, what="a sleeper")
+    assert time.perf_counter() - start < 20
+    pid = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert _gone(pid)
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (ended, or a zombie waiting to be reaped by its new parent)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_run_measured_failure_shows_the_stderr_tail():
+    with pytest.raises(common.BenchError, match="status 3(.|\n)*boom"):
+        common.run_measured([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
+                            timeout_s=30, what="failing")
+    m = common.run_measured([sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=30, check=False)
+    assert m.returncode == 3
+
+
+def test_interleaved_orders_alternate_the_sides():
+    assert common.interleaved_orders(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
+    assert common.interleaved_orders(["a", "b", "c"], 2) == [["a", "b", "c"], ["b", "c", "a"]]
+    with pytest.raises(ValueError):
+        common.interleaved_orders(["a", "a"], 2)
+    with pytest.raises(ValueError):
+        common.interleaved_orders(["a"], 0)
+
+
+def test_median_ratio_and_table():
+    assert common.median([3.0, 1.0, 2.0]) == 2.0
+    with pytest.raises(ValueError):
+        common.median([])
+    assert common.ratio(6.0, 2.0) == 3.0
+    assert common.ratio(1.0, 0.0) != common.ratio(1.0, 0.0)  # NaN
+    table = common.markdown_table(["side", "tokens/s"], [["ours", 1234567.0], ["ref", 2.5]])
+    assert table.splitlines()[2] == "| ours | 1,234,567 |"
+    assert table.splitlines()[3] == "| ref | 2.5 |"
+    with pytest.raises(ValueError):
+        common.markdown_table(["a", "b"], [[1]])
+
+
+def test_machine_info_names_versions_and_load():
+    info = common.machine_info()
+    assert info["logical_cores"] >= 1
+    assert info["packages"]["torch"] is not None
+    assert len(info["load_average"]) == 3
+
+
+# --------------------------------------------------------------------------- preprocessing
+def _write_dataset(prefix: Path, docs: list[list[int]], dtype=np.uint16) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in docs:
+        builder.add_document(np.array(doc, dtype=dtype), [len(doc)] if doc else [])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_compare_indexed_datasets_finds_identical_and_different_documents(tmp_path):
+    docs = [[5, 6, 0], [7, 0], [8, 9, 10, 0]]
+    _write_dataset(tmp_path / "a", docs)
+    _write_dataset(tmp_path / "b", docs)
+    same = bench_pre.compare_indexed_datasets(tmp_path / "a", tmp_path / "b")
+    assert same["bin_identical"] and same["idx_identical"]
+    assert same["documents"] == [3, 3] and same["tokens"] == [9, 9]
+    assert same["documents_with_different_ids"] == 0 and same["first_different_document"] is None
+
+    _write_dataset(tmp_path / "c", [[5, 6, 0], [7, 1], [8, 9, 10, 0]])
+    diff = bench_pre.compare_indexed_datasets(tmp_path / "a", tmp_path / "c")
+    assert not diff["bin_identical"]
+    assert diff["documents_with_different_ids"] == 1 and diff["first_different_document"] == 1
+
+    _write_dataset(tmp_path / "d", docs + [[]])  # Megatron's tool: an empty document, zero sequences
+    more = bench_pre.compare_indexed_datasets(tmp_path / "a", tmp_path / "d")
+    assert more["documents"] == [3, 4] and more["documents_with_different_ids"] == 1
+    assert more["first_different_document"] == 3
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        bench_pre.compare_indexed_datasets(tmp_path / "a", tmp_path / "missing")
+
+
+def test_megatron_checkout_is_checked_with_a_clear_message(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--megatron-lm"):
+        bench_pre.check_megatron_checkout(None)
+    with pytest.raises(FileNotFoundError, match="not a Megatron-LM checkout"):
+        bench_pre.check_megatron_checkout(tmp_path)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "preprocess_data.py").write_text("")
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    assert bench_pre.check_megatron_checkout(tmp_path) == tmp_path / "tools" / "preprocess_data.py"
+
+
+def test_megatron_command_and_progress_parsing():
+    cmd = bench_pre.megatron_command("py", "tool.py", "in.json", "tok", "out/x", 2)
+    assert cmd[:2] == ["py", "tool.py"]
+    joined = " ".join(cmd)
+    for flag in ("--tokenizer-type HuggingFaceTokenizer", "--tokenizer-model tok", "--json-keys content",
+                 "--workers 2", "--append-eod", "--output-prefix out/x"):
+        assert flag in joined
+    stderr = ("Processed 1 documents (50.0 docs/s, 0.1 MB/s).\n"
+              "Processed 800 documents (200.0 docs/s, 3.0 MB/s).\n")
+    docs, seconds = bench_pre.parse_megatron_progress(stderr)
+    assert docs == 800 and seconds == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="did not process"):
+        bench_pre.parse_megatron_progress("Traceback ...")
+
+
+def test_read_result_and_input_copies(tmp_path):
+    assert bench_pre.read_result('noise\nBENCH_RESULT {"x": 1}\n') == {"x": 1}
+    with pytest.raises(ValueError):
+        bench_pre.read_result("nothing")
+    src = tmp_path / "c.json"
+    src.write_text('{"content": "a"}\n{"content": "b"}\n')
+    assert bench_pre.input_file(src, 1, tmp_path) == src
+    big = bench_pre.input_file(src, 3, tmp_path)
+    assert big.read_text().count("\n") == 6 and big.stat().st_size == 3 * src.stat().st_size
+    with pytest.raises(ValueError):
+        bench_pre.input_file(src, 0, tmp_path)
+
+
+def test_preprocess_cli_says_when_megatron_lm_is_absent(tmp_path, capsys):
+    code = bench_pre.main(["--megatron-lm", str(tmp_path / "nowhere"), "--megatron-python", sys.executable,
+                           "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert "not a Megatron-LM checkout" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing was made before the check
+
+
+# --------------------------------------------------------------------------- training
+def test_timed_iterations_drop_the_warmup():
+    assert bench_train.timed_iterations([1.0, 3.0, 6.0], 0.0, 1) == [2.0, 3.0]
+    with pytest.raises(ValueError, match="warmup"):
+        bench_train.timed_iterations([1.0], 0.0, 1)
+
+
+def test_mfu_and_peak_flops():
+    assert bench_train.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert bench_train.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench_train.peak_flops("Some GPU") is None
+    assert bench_train.peak_flops("Some GPU", 100.0) == 100e12
+    assert bench_train.mfu(1e9, 1e5, 1e15) == pytest.approx(0.1)
+    assert bench_train.mfu(1e9, 1e5, None) is None
+
+
+@pytest.mark.skipif(bench_train.cuda_available(), reason="checks the message printed without CUDA")
+def test_training_gpu_path_says_cuda_is_absent(tmp_path):
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        bench_train.main(["--device", "cuda", "--run-dir", str(tmp_path)])
+
+
+def test_training_config_is_the_same_for_both_sides(tmp_path):
+    opts = {"profile": "cpu", "run_dir": str(tmp_path), "out_dir": str(tmp_path / "o"), "vocab_size": 8192,
+            "seq_length": None, "micro_batch_size": 8, "global_batch_size": 16, "iters": 12}
+    cfg = bench_train.training_config(opts)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.seq_length) == (4, 256, 256)
+    assert cfg.global_batch_size // cfg.micro_batch_size == 2
+    assert cfg.train_iters == 12 and cfg.save_interval is None
+
+
+# --------------------------------------------------------------------------- series
+def test_series_wall_times_from_summary(tmp_path):
+    from helpers import results
+
+    with pytest.raises(FileNotFoundError, match="run the series first"):
+        bench_series.notebook_wall_times(tmp_path)
+    results.record(tmp_path, "01_data", "wall_seconds", 100.0)
+    results.record(tmp_path, "00_setup", "wall_seconds", 20.5)
+    results.record(tmp_path, "00_setup", "other", 1)
+    times = bench_series.notebook_wall_times(tmp_path)
+    assert times == [("00_setup", 20.5), ("01_data", 100.0)]
+    rep = bench_series.series_report(times, target_s=100.0)
+    assert rep["total_seconds"] == 120.5 and rep["within_target"] is False
+    assert rep["notebooks"][1]["share"] == pytest.approx(100.0 / 120.5)
+    assert bench_series.series_report(times)["within_target"] is True
+
+
+def test_count_pip_sources():
+    out = ("Collecting torch==2.13.0\n  Processing /opt/wheels/torch-2.13.0-cp311.whl\n"
+           "Collecting numpy\n  Using cached numpy-2.4.6.whl (16 MB)\n"
+           "Collecting tqdm\n  Downloading tqdm-4.70.1-py3-none-any.whl (78 kB)\n"
+           "  Using cached six.whl\n")
+    assert bench_series.count_pip_sources(out) == {"cached": 2, "downloaded": 1, "local": 1}
