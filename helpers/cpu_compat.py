@@ -6,12 +6,14 @@ a CUDA RNG state or a CUDA synchronisation even when every tensor lives on the C
 and ``tests/test_cpu_compat.py`` shows, per shim, that the unpatched call still fails on CPU
 (so the test fails, and the shim can go, the day megatron-core stops needing it).
 
-Two kinds of patch are used, both scoped to megatron-core's own modules:
+Three kinds of patch are used, all scoped to megatron-core's own code:
 
 * **device redirect**: the module's global ``torch`` is replaced by :class:`CpuTorch`, a thin
   proxy of ``torch`` on which ``torch.cuda.current_device()`` is the CPU device,
   ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
   device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
+* **method wrapper**: one megatron-core method (:data:`METHOD_SHIMS`) runs with
+  ``Tensor.cuda()`` returning the tensor itself, only for the duration of that call.
 * **RNG tracker**: megatron-core's ``CudaRNGStatesTracker`` (tensor_parallel/random.py) keeps
   one named CUDA generator state per parallel stream (data-parallel, tensor-model-parallel,
   expert). :class:`CpuRNGStatesTracker` keeps the same streams, with the same seeds, as CPU
@@ -170,13 +172,26 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
          "torch.cuda.synchronize() in fully parallel save/load (DP>1)"),
 )
 
+#: Method shims: a method of a megatron-core class runs with ``Tensor.cuda()`` returning the
+#: tensor itself (CPU), only for the duration of that call. {shim: (class name, method name)}.
+METHOD_SHIMS: dict[str, tuple[str, str]] = {
+    "language_module": ("LanguageModule", "setup_embeddings_and_output_layer"),
+}
+
+_METHOD_SHIM_LIST: tuple[Shim, ...] = (
+    Shim("language_module", "megatron.core.models.common.language_module.language_module",
+         {244: "weight.data.cuda()"},
+         "with PP>1 and tied embeddings, the last stage's copy of the word embeddings is moved with "
+         "weight.data.cuda() before the first/last-stage all-reduce"),
+)
+
 #: The RNG shim (not only a module proxy: a tracker class with CPU generator states).
 RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
                 {55: "torch.cuda.random.get_rng_state", 235: "torch.cuda.get_rng_state()"},
                 "CudaRNGStatesTracker.add and _get_cuda_rng_state read the CUDA generator "
                 "(model_parallel_cuda_manual_seed; fork() runs in every attention forward)")
 
-SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + (RNG_SHIM,)
+SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + _METHOD_SHIM_LIST + (RNG_SHIM,)
 
 _state: dict[str, Any] = {"applied": False, "originals": {}}
 
@@ -270,6 +285,40 @@ def _revert_rng() -> None:
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
 
 
+# --------------------------------------------------------------------------- method shims
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _apply_methods() -> None:
+    for shim in _METHOD_SHIM_LIST:
+        cls_name, method = METHOD_SHIMS[shim.name]
+        cls = getattr(importlib.import_module(shim.module), cls_name)
+        original = getattr(cls, method)
+        _state["originals"][(shim.name, method)] = original
+
+        def wrapped(self, *args: Any, __original=original, **kwargs: Any) -> Any:
+            with _tensor_cuda_is_identity():
+                return __original(self, *args, **kwargs)
+
+        wrapped.__name__ = method
+        wrapped.__doc__ = original.__doc__
+        setattr(cls, method, wrapped)
+
+
+def _revert_methods() -> None:
+    for shim in _METHOD_SHIM_LIST:
+        cls_name, method = METHOD_SHIMS[shim.name]
+        cls = getattr(importlib.import_module(shim.module), cls_name)
+        setattr(cls, method, _state["originals"].pop((shim.name, method)))
+
+
 # --------------------------------------------------------------------------- apply / revert
 def apply(force: bool = False) -> bool:
     """Patch megatron-core for CPU-only training (idempotent).
@@ -308,6 +357,7 @@ def apply(force: bool = False) -> bool:
         module = importlib.import_module(shim.module)
         _state["originals"][(shim.name, "torch")] = module.torch
         module.torch = CpuTorch()
+    _apply_methods()
     _apply_rng()
     _state["applied"] = True
     return True
@@ -320,6 +370,7 @@ def revert() -> None:
     for shim in DEVICE_SHIMS:
         module = importlib.import_module(shim.module)
         module.torch = _state["originals"].pop((shim.name, "torch"))
+    _revert_methods()
     _revert_rng()
     _state["applied"] = False
 

@@ -47,6 +47,21 @@ def test_named_lines_still_hold_the_cuda_only_call(shim):
 
 
 def _failing_expression(module, snippet: str):
+    if snippet.endswith(".cuda()"):  # method shim: Tensor.cuda() inside the wrapped method only
+        cls_name, method = cpu_compat.METHOD_SHIMS["language_module"]
+
+        def probe():
+            current = getattr(getattr(module, cls_name), method)
+            if cpu_compat.is_applied():
+                if current.__code__ is _original_code(module):
+                    raise LookupError("the method shim is not installed")
+                with cpu_compat._tensor_cuda_is_identity():
+                    return torch.zeros(1).cuda()
+            if current.__code__ is not _original_code(module):
+                raise LookupError("the method shim was not reverted")
+            return torch.zeros(1).cuda()
+
+        return probe
     if "current_device" in snippet:
         return lambda: torch.empty(1, device=module.torch.cuda.current_device())
     if "synchronize" in snippet:
@@ -54,6 +69,12 @@ def _failing_expression(module, snippet: str):
     if "get_rng_state" in snippet:
         return lambda: module.torch.cuda.get_rng_state()
     return lambda: module.torch.zeros([], dtype=torch.int, device="cuda")
+
+
+def _original_code(module):
+    cls_name, method = cpu_compat.METHOD_SHIMS["language_module"]
+    original = cpu_compat._state["originals"].get(("language_module", method))
+    return (original or getattr(getattr(module, cls_name), method)).__code__
 
 
 @pytest.mark.parametrize("shim", cpu_compat.SHIMS, ids=lambda s: s.name)
@@ -70,6 +91,8 @@ def test_unpatched_call_fails_patched_call_runs(shim):
                 call()
         out = call()
         assert out is None or out.device.type == "cpu"
+    with pytest.raises(CUDA_ERRORS):  # nothing leaks out of a method shim
+        torch.zeros(1).cuda()
 
 
 def test_causal_mask_end_to_end():
