@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -108,6 +109,9 @@ TE_LAYERNORM_NAMES: dict[str, str] = {
 #: Linear layers whose bias a GPT-2 needs (``add_bias_linear=True``).
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+#: ModelConfig metadata that must agree between a transformers model and a training config.
+_MATCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+               "vocab_size", "padded_vocab_size", "gelu", "layernorm_epsilon", "tied_embeddings")
 
 #: The guide's 2022 command (transformers source tree, legacy Megatron-LM checkpoint layout).
 GUIDE_2022_COMMAND = (
@@ -182,6 +186,27 @@ def qkv_hf_to_megatron(weight: torch.Tensor, bias: torch.Tensor | None, num_head
     return w, b
 
 
+def qkv_head_table(weight: torch.Tensor, num_heads: int) -> list[dict[str, Any]]:
+    """Where each head's q, k and v rows of a ``linear_qkv`` weight ``[3h, h]`` land in GPT-2's ``c_attn``.
+
+    Returns:
+        One dict per (head, part): ``head``, ``part`` ("q"/"k"/"v"), ``megatron_rows`` and
+        ``gpt2_columns`` (``(first, last)`` inclusive), and ``equal``: the converted columns
+        hold exactly those rows (transposed).
+    """
+    c_attn, _ = qkv_megatron_to_hf(weight, None, num_heads)
+    h = weight.shape[1]
+    d = h // num_heads
+    table = []
+    for head in range(num_heads):
+        for part, name in enumerate("qkv"):
+            r0, c0 = head * 3 * d + part * d, part * h + head * d
+            equal = torch.equal(c_attn[:, c0:c0 + d], weight[r0:r0 + d].t())
+            table.append({"head": head, "part": name, "megatron_rows": (r0, r0 + d - 1),
+                          "gpt2_columns": (c0, c0 + d - 1), "equal": equal})
+    return table
+
+
 def qkv_layout_figure(num_heads: int = 3, head_dim: int = 2):
     """A picture of the QKV permutation: which head and part (q/k/v) each row holds, before and after.
 
@@ -209,12 +234,13 @@ def qkv_layout_figure(num_heads: int = 3, head_dim: int = 2):
             ax.annotate("", xy=(pos + 0.47, 0.82), xytext=(src + 0.47, 1.58),
                         arrowprops=dict(arrowstyle="->", color="0.3", lw=0.8))
     ax.set_xlim(-0.2, n + 0.2)
-    ax.set_ylim(-0.3, 2.7)
+    ax.set_ylim(-0.3, 2.5)
     ax.set_yticks([])
+    ax.set_xticks([i + 0.47 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
     ax.set_xlabel("row index in linear_qkv.weight / column index in c_attn.weight (rows of width hidden size)")
     ax.set_title(f"QKV layout: {num_heads} heads x head dim {head_dim} (arrows: head 0)")
     ax.legend(handles=[Patch(color=c, label=p) for c, p in zip(colors, ("query", "key", "value"))],
-              loc="upper right", ncol=3, fontsize=8, bbox_to_anchor=(1.0, 1.25))
+              loc="upper center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.28))
     for spine in ("left", "right", "top"):
         ax.spines[spine].set_visible(False)
     return fig
@@ -913,8 +939,7 @@ def convert_to_hf(source: str | os.PathLike | Mapping[str, Any] | MegatronCheckp
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod,
-                         max_length=config.n_positions).save_pretrained(str(tmp))
+        GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(str(tmp))
         for name in TOKENIZER_FILES + OPTIONAL_TOKENIZER_FILES:
             if (tok_dir / name).is_file():
                 shutil.copyfile(tok_dir / name, tmp / name)
@@ -1083,17 +1108,19 @@ def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of a megatron-core ``GPTModel`` (TP=1) for ``tokens`` ``[b, s]`` int64.
 
     Returns:
-        fp32 ``[b, s, padded_vocab]`` (causal; positions 0..s-1).
+        fp32 ``[b, s, padded_vocab]`` on the CPU (causal; positions 0..s-1; the model may be on a GPU).
     """
-    tokens = tokens.long()
-    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    return model(tokens, position_ids, None).float()
+    device = next(model.parameters()).device
+    tokens = tokens.long().to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, position_ids, None).float().cpu()
 
 
 @torch.no_grad()
 def hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of a transformers causal LM for ``tokens`` ``[b, s]`` int64: fp32 ``[b, s, vocab]``."""
-    return hf_model(input_ids=tokens.long()).logits.float()
+    """Logits of a transformers causal LM for ``tokens`` ``[b, s]`` int64: fp32 ``[b, s, vocab]`` on the CPU."""
+    device = next(hf_model.parameters()).device
+    return hf_model(input_ids=tokens.long().to(device)).logits.float().cpu()
 
 
 @dataclass
@@ -1155,7 +1182,7 @@ def greedy_generate_megatron(model, prompt_ids: Sequence[int], max_new_tokens: i
 def greedy_generate_hf(hf_model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers ``generate(do_sample=False)`` (stops at the EOS of the
     generation config). Returns the new token ids."""
-    inp = torch.tensor([list(prompt_ids)])
+    inp = torch.tensor([list(prompt_ids)], device=next(hf_model.parameters()).device)
     limit = hf_model.config.n_positions
     max_new = max(0, min(max_new_tokens, limit - inp.shape[1]))
     out = hf_model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False,
@@ -1284,6 +1311,170 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
                                 cfg.model.seq_length, logged["iteration"] if logged else iteration, padded)
 
 
+def validation_tokens(run_dir: str | os.PathLike, num_samples: int = 2, *, config_name: str = "run.json") -> torch.Tensor:
+    """Token ids of the first ``num_samples`` validation samples of a training run (held-out code).
+
+    Returns:
+        int64 ``[num_samples, seq_length]``.
+
+    Raises:
+        FileNotFoundError: no ``run.json`` (train first: notebook 03).
+    """
+    from helpers import training
+
+    cfg_path = Path(run_dir).expanduser().resolve() / config_name
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.training.launch (notebook 03)")
+    _, valid_ds, _ = training.build_datasets(training.TrainingConfig.from_json(cfg_path))
+    return torch.stack([torch.as_tensor(valid_ds[i % len(valid_ds)]["tokens"]).long() for i in range(num_samples)])
+
+
+def compare_hf_folders(first: str | os.PathLike, second: str | os.PathLike) -> dict[str, Any]:
+    """Tensor by tensor comparison of two transformers folders' ``model.safetensors``.
+
+    Returns:
+        ``{"num_tensors", "identical" (all bit-equal), "max_abs_diff", "same_keys", "same_config"}``.
+    """
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(Path(first) / "model.safetensors")), load_file(str(Path(second) / "model.safetensors"))
+    common = sorted(set(a) & set(b))
+    diff = max(((a[k].float() - b[k].float()).abs().max().item() if a[k].shape == b[k].shape else math.inf)
+               for k in common) if common else math.inf
+    cfg_a, cfg_b = (json.loads((Path(x) / "config.json").read_text()) for x in (first, second))
+    return {"num_tensors": len(common), "identical": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in common),
+            "max_abs_diff": diff, "same_keys": set(a) == set(b), "same_config": cfg_a == cfg_b}
+
+
+def logit_scatter_figure(reference: torch.Tensor, converted: torch.Tensor, max_points: int = 20000):
+    """Scatter of megatron-core vs transformers logits (same token ids), plus the histogram of differences.
+
+    Args:
+        reference: megatron-core logits ``[b, s, V_pad]``; converted: transformers ``[b, s, V]``.
+
+    Returns:
+        A matplotlib ``Figure`` (two panels, titled and labelled).
+    """
+    import matplotlib.pyplot as plt
+
+    ref = reference[..., :converted.shape[-1]].reshape(-1).float()
+    conv = converted.reshape(-1).float()
+    idx = torch.randperm(ref.numel(), generator=torch.Generator().manual_seed(0))[:max_points]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.scatter(ref[idx], conv[idx], s=2, alpha=0.4, label=f"{len(idx):,} logits")
+    lo, hi = float(ref.min()), float(ref.max())
+    ax1.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="y = x")
+    ax1.set(title="Logits: transformers vs megatron-core", xlabel="megatron-core logit (nats)",
+            ylabel="transformers logit (nats)")
+    ax1.legend()
+    raw = (conv - ref).abs()
+    exact = int((raw == 0).sum())
+    diff = raw.clamp(min=1e-10)
+    ax2.hist(torch.log10(diff).numpy(), bins=60,
+             label=f"max {raw.max().item():.2e}; {exact:,} exactly equal (drawn at -10)")
+    ax2.axvline(-4, color="red", ls="--", label="tolerance 1e-4")
+    ax2.set(title="|difference| per logit", xlabel="log10 |transformers - megatron-core| (nats)", ylabel="logits")
+    ax2.legend()
+    fig.tight_layout()
+    return fig
+
+
+def ensure_trained_checkpoint(run_dir: str | os.PathLike, *, base_profile: str = "cpu", train_iters: int = 100,
+                              model_overrides: Mapping[str, Any] | None = None, max_files: int | None = None,
+                              vocab_size: int | None = None, split: str | None = None,
+                              timeout_s: float = 3600.0, **training_overrides: Any) -> tuple[Path, Any]:
+    """The run's ``checkpoints`` folder, training one first (as notebook 03 does) when there is none.
+
+    Reuses what exists: the data of ``{run_dir}/data`` (otherwise made with ``max_files`` /
+    ``vocab_size`` / ``split``) and the latest checkpoint (then nothing is trained).
+
+    Args:
+        run_dir: the run folder.
+        base_profile: ``helpers.training`` profile the fallback run starts from.
+        train_iters, model_overrides, training_overrides: the fallback run (``model_overrides``
+            are ModelConfig fields; ``vocab_size`` is set from the tokenizer).
+        max_files, vocab_size, split: data settings for a run folder without data.
+
+    Returns:
+        ``(checkpoint_dir, TrainingResult or None when a checkpoint existed)``.
+    """
+    from helpers import preprocess, training
+
+    run = Path(run_dir).expanduser().resolve()
+    ckpt_dir = run / "checkpoints"
+    if checkpointing.latest_iteration(ckpt_dir) is not None:
+        return ckpt_dir, None
+    has_data = (run / preprocess.DATA_DIR / preprocess.MANIFEST_NAME).is_file()
+    paths = preprocess.ensure_data(run) if has_data else preprocess.ensure_data(
+        run, max_files=max_files, vocab_size=vocab_size, split=split)
+    model = {**(model_overrides or {}), "vocab_size": paths.vocab_size}
+    if "seq_length" in model:
+        model.setdefault("max_position_embeddings", model["seq_length"])
+    overrides = {"lr_decay_iters": train_iters, **training_overrides}
+    if overrides.get("lr_warmup_iters", training.PROFILES[base_profile].lr_warmup_iters) >= overrides["lr_decay_iters"]:
+        overrides["lr_warmup_iters"] = max(0, overrides["lr_decay_iters"] - 1)
+    cfg = training.profile(base_profile, str(run), split=paths.split, train_iters=train_iters, model=model, **overrides)
+    print(f"No checkpoint in {ckpt_dir}: training {train_iters} iterations first, as notebook 03 does.")
+    return ckpt_dir, training.launch(cfg, timeout_s=timeout_s)
+
+
+def continuation_config(run_dir: str | os.PathLike, out_dir: str | os.PathLike, train_iters: int, *,
+                        config_name: str = "run.json"):
+    """A ``TrainingConfig`` that continues the run of ``run_dir`` for ``train_iters`` iterations in ``out_dir``.
+
+    Same model, data, batch sizes and validation batches as the original run; a constant
+    learning rate equal to its ``min_lr`` (where its cosine ended); outputs (checkpoints,
+    metrics, TensorBoard) in ``out_dir``. Used with :func:`hf_to_megatron_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no ``run.json`` in ``run_dir``.
+        ValueError: ``train_iters`` < 1.
+    """
+    from dataclasses import replace
+
+    from helpers import training
+
+    if train_iters < 1:
+        raise ValueError(f"train_iters={train_iters} must be >= 1")
+    cfg_path = Path(run_dir).expanduser().resolve() / config_name
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.training.launch (notebook 03)")
+    cfg = training.TrainingConfig.from_json(cfg_path)
+    out = Path(out_dir).expanduser().resolve()
+    lr = cfg.min_lr if cfg.min_lr > 0 else cfg.lr * 0.1
+    return replace(cfg, run_dir=str(out), data_prefix=str(cfg.data_prefix_path), tokenizer_dir=str(cfg.tokenizer_path),
+                   train_iters=train_iters, lr=lr, min_lr=lr, lr_warmup_iters=0, lr_decay_iters=train_iters,
+                   lr_decay_style="constant", eval_interval=train_iters, save_interval=train_iters,
+                   log_interval=max(1, min(cfg.log_interval, train_iters)), exit_interval=None,
+                   checkpoint_dir=None, tensorboard_dir=None, metrics_path=None)
+
+
+def parameter_devices(model) -> dict[str, int]:
+    """``{device: number of parameters}`` of a model, e.g. after ``from_pretrained(..., device_map="auto")``.
+
+    (transformers 5 sets ``model.hf_device_map`` only when the weights span several devices.)
+    """
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        out[str(p.device)] = out.get(str(p.device), 0) + p.numel()
+    return out
+
+
+def push_to_hub(hf_dir: str | os.PathLike, repo_id: str, *, private: bool = True) -> str:
+    """Upload a converted folder to the Hugging Face Hub (model, tokenizer, generation config).
+
+    Needs network access and a token (``huggingface-cli login`` or ``HF_TOKEN``).
+
+    Returns:
+        The URL of the commit.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
+    AutoTokenizer.from_pretrained(str(hf_dir)).push_to_hub(repo_id, private=private)
+    return str(model.push_to_hub(repo_id, private=private))
+
+
 # =========================================================================== transformers -> megatron-core
 def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
                               training_config=None, iteration: int = 0, overwrite: bool = False,
@@ -1329,8 +1520,12 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
         raise ConversionError(f"{hf_dir} holds a {config.model_type!r} model; only GPT-2 (GPT2LMHeadModel) is supported")
     seq = training_config.model.seq_length if training_config is not None else None
     cfg = model_config_from_gpt2(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by, seq_length=seq)
-    if training_config is not None and training_config.model != cfg:
-        raise ConversionError(f"training_config.model {training_config.model} differs from the transformers model {cfg}")
+    if training_config is not None:
+        want, have = training_config.model.to_metadata(1), cfg.to_metadata(1)
+        diffs = [f"{k}: training {want[k]!r} vs transformers {have[k]!r}" for k in _MATCH_KEYS if want[k] != have[k]]
+        if diffs:
+            raise ConversionError(f"training_config.model does not describe the transformers model in {hf_dir}: {diffs}")
+        cfg = training_config.model
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     sd = hf_to_megatron_state_dict(hf.state_dict(), cfg.num_attention_heads, cfg.padded_vocab_size(1),
                                    tied=cfg.share_embeddings_and_output_weights)
@@ -1377,7 +1572,7 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
                         model_config: ModelConfig | None = None, tokens: torch.Tensor | None = None,
                         save: str | os.PathLike | None = None, iteration: int | None = None, seed: int = 1234,
                         workdir: str | os.PathLike | None = None, timeout_s: float = 300.0,
-                        on_line: Callable[[str], None] | None = None) -> TensorParallelRun:
+                        on_line: Callable[[str], None] | None = None, cpu: bool = True) -> TensorParallelRun:
     """Run a megatron-core GPT with tensor parallelism in ``torchrun`` processes (gloo on CPU).
 
     Either loads a torch_dist checkpoint into a ``GPTModel`` split over
@@ -1396,6 +1591,8 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
         iteration: iteration number for ``save`` (default: the loaded one, or 0).
         workdir: folder for the exchanged files (default: a temporary folder, removed).
         timeout_s: launch time limit (s).
+        cpu: run on the CPU over gloo (``CUDA_VISIBLE_DEVICES=""``), so a machine with fewer
+            GPUs than ranks works too and the logits are fp32 CPU results like the reference's.
 
     Returns:
         :class:`TensorParallelRun`.
@@ -1431,7 +1628,8 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
             args += ["--save", str(Path(save).resolve())]
         if iteration is not None:
             args += ["--iteration", str(iteration)]
-        res = launch.torchrun(args, nproc_per_node=tensor_model_parallel_size, timeout_s=timeout_s, on_line=on_line)
+        res = launch.torchrun(args, nproc_per_node=tensor_model_parallel_size, timeout_s=timeout_s, on_line=on_line,
+                              env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None)
         logits = torch.load(logits_path) if logits_path is not None else None
         saved = checkpointing.iteration_dir(save, checkpointing.latest_iteration(save)) if save is not None else None
         return TensorParallelRun(logits, saved, res.wall_seconds)
