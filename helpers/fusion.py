@@ -36,7 +36,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -965,6 +965,7 @@ def benchmark_fusions(shapes: Mapping[str, Sequence[int]], *, device: str = "cpu
 def plot_speedups(bench: FusionBenchmark, title: str = "Measured speedup over eager, per op"):
     """Horizontal bars of :class:`FusionBenchmark` speedups (log scale, IQR whiskers); returns the Figure."""
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     colors = {"unfused": "tab:grey", "unfused_formula": "tab:red", "fused": "tab:blue"}
     rows = bench.rows[::-1]  # first op at the top
@@ -978,11 +979,13 @@ def plot_speedups(bench: FusionBenchmark, title: str = "Measured speedup over ea
         label = r["form"] if r["form"] not in seen else None
         seen.add(r["form"])
         ax.barh(i, y, xerr=err, capsize=2, color=colors.get(r["form"], "tab:green"), label=label)
-        ax.text(y * 1.05, i, f"{y:.2f}x", va="center", fontsize=7)
+        ax.text(max(y, b / r["q25_ms"]) * 1.06, i, f"{y:.2f}x", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), [f"{r['op']}: {r['implementation']}" for r in rows], fontsize=7)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.set_ylabel("op: implementation")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel(f"speedup over the op's eager baseline (x, log scale; {bench.device}, {bench.dtype}; "
                   "whiskers: interquartile range)")
     ax.set_title(title)
@@ -1251,8 +1254,8 @@ def plot_adamw(bench: AdamWBenchmark, title: str = "AdamW: time per optimizer st
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(names, med, yerr=err, capsize=4, color="tab:blue", label="median step (IQR whiskers)")
     for bar, n in zip(bars, names):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{bench.speedups()[n]:.1f}x",
-                ha="center", va="bottom")
+        ax.text(bar.get_x() + bar.get_width() * 0.75, bar.get_height(), f"{bench.speedups()[n]:.1f}x",
+                ha="left", va="bottom")
     ax.set_ylabel("time per step (ms)")
     ax.set_xlabel(f"implementation ({bench.num_parameters / 1e6:.2f}M parameters in {bench.num_tensors} tensors, "
                   f"{bench.device})")
