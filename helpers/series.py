@@ -63,6 +63,9 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "04_fused_kernels": {"micro_batch_size": 2, "num_threads": 1, "warmup": 1, "repeats": 5, "copy_mib": 32,
                              "matmul_n": 256, "adamw_check_steps": 3, "adamw_repeats": 5,
                              "step_micro_batch_size": 1, "step_repeats": 3},
+        "06_conversion": {"max_new_tokens": 8, "continue_iters": 2, "max_files": 150, "vocab_size": 1024,
+                          "split": "90,8,2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                          "seq_length": 64, "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12},
     },
 }
 
