@@ -239,3 +239,16 @@ def test_codeparrot_small_trains_on_cuda_in_bf16(data, tmp_path):
     print(f"codeparrot-small bf16: {s['tokens_per_s']:.0f} tokens/s, MFU {mfu:.1%} of {peak} TFLOP/s, "
           f"optimizer {s['optimizer']}")
     assert 0 < mfu < 1
+
+
+@pytest.mark.slow
+def test_03_results_in_the_smoke_series(series_run):
+    """Notebook 03 in the series (smoke profile): trained, loss fell, checkpoint and figure exist."""
+    run_dir, _, summary = series_run
+    s = summary["03_training"]
+    assert s["iterations"] == 12 and s["final_valid_loss"] < s["first_valid_loss"]
+    assert s["parameters"] > 0 and s["flops_per_token"] > 6 * s["parameters"] * 0.5
+    assert s["optimizer"].startswith(("torch.optim.AdamW", "apex"))
+    assert Path(s["checkpoint_path"]).is_dir() and (Path(s["checkpoint_path"]) / "model_config.json").exists()
+    assert (Path(run_dir) / "figures" / "03_loss_and_lr.png").stat().st_size > 10_000
+    assert isinstance(s["greedy_sample"], str) and s["greedy_sample"].startswith("def")
