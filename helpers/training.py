@@ -121,6 +121,11 @@ class TrainingConfig:
         return Path(self.metrics_path) if self.metrics_path else self.run_path / METRICS_FILE
 
     @property
+    def summary_file(self) -> Path:
+        """``training_summary.json`` next to the metrics file (``{run_dir}/training_summary.json``)."""
+        return self.metrics_file.with_name(SUMMARY_FILE)
+
+    @property
     def decay_iters(self) -> int:
         return self.lr_decay_iters or self.train_iters
 
@@ -653,7 +658,7 @@ class MetricsLogger:
     Only the logging rank (the last one, which holds the loss, as Megatron's
     ``print_rank_last``) writes. On resume from iteration ``start``, records after ``start``
     from an interrupted run are dropped from ``metrics.jsonl`` and TensorBoard
-    (``purge_step``) so curves have no duplicates.
+    (``purge_step``) so curves have no duplicates; a run from scratch starts a new file.
     """
 
     def __init__(self, cfg: TrainingConfig, active: bool, start_iteration: int = 0):
@@ -665,7 +670,7 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+                    if start_iteration and line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
@@ -853,7 +858,8 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
     ``save_interval`` and at the end. SIGTERM saves and exits cleanly.
 
     Returns:
-        The summary also written to ``{run_dir}/training_summary.json`` (by the logging rank):
+        The summary also written to ``cfg.summary_file`` (by the logging rank; by default
+        ``{run_dir}/training_summary.json``):
         parameters, iterations, final train/validation loss, tokens/s, optimizer, checkpoint.
     """
     import torch
@@ -955,7 +961,7 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
         "data_parallel_size": trainer.dist_info["dp"],
     }
     if is_logger:
-        (cfg.run_path / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        cfg.summary_file.write_text(json.dumps(summary, indent=2) + "\n")
         say(f"> training summary: {json.dumps(summary)}")
     logger.close()
     dist.barrier()
@@ -984,7 +990,8 @@ def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3
     """Write ``run.json`` into the run folder and train under torchrun, with a progress bar.
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
-    The config is checked here first, so bad input fails before any process starts.
+    The config, and an existing checkpoint's model shape, are checked here first, so bad
+    input fails before any process starts.
 
     Args:
         cfg: the run; ``nproc_per_node`` must be a multiple of TP x PP.
@@ -997,6 +1004,7 @@ def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3
 
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
+        checkpointing.CheckpointMismatchError: the checkpoint folder holds another model shape.
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
     """
     from tqdm.auto import tqdm
@@ -1005,7 +1013,10 @@ def launch(cfg: TrainingConfig, *, nproc_per_node: int = 1, timeout_s: float = 3
 
     cfg.check(nproc_per_node)
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)
-    summary_path = cfg.run_path / SUMMARY_FILE
+    summary_path = cfg.summary_file
+    if latest is not None:
+        saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
+        checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
     config_path = cfg.to_json(cfg.run_path / config_name)

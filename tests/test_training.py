@@ -218,6 +218,8 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
     # A different model shape refuses to resume and leaves the checkpoint untouched.
     before = {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")}
     wrong = replace(cfg, model=replace(cfg.model, hidden_size=128), train_iters=16)
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="hidden_size: checkpoint 64 vs config 128"):
+        training.launch(wrong, progress=False)  # refused before any process starts
     proc = _start(wrong.to_json(tmp_path / "wrong.json"))
     out = _finish(proc)
     assert proc.returncode != 0 and "different model shape" in out and "hidden_size" in out
