@@ -98,26 +98,32 @@ class TrainingConfig:
     # ----------------------------------------------------------------- derived paths
     @property
     def run_path(self) -> Path:
+        """The run folder, absolute."""
         return Path(self.run_dir).expanduser().resolve()
 
     @property
     def data_prefix_path(self) -> Path:
+        """``.bin/.idx`` prefix (default ``{run_dir}/data/codeparrot_content_document``)."""
         return Path(self.data_prefix) if self.data_prefix else self.run_path / "data" / "codeparrot_content_document"
 
     @property
     def tokenizer_path(self) -> Path:
+        """Tokenizer folder (default ``{run_dir}/data/tokenizer``)."""
         return Path(self.tokenizer_dir) if self.tokenizer_dir else self.run_path / "data" / "tokenizer"
 
     @property
     def checkpoint_path(self) -> Path:
+        """Checkpoint folder (default ``{run_dir}/checkpoints``)."""
         return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_path / "checkpoints"
 
     @property
     def tensorboard_path(self) -> Path:
+        """TensorBoard folder, Megatron's ``--tensorboard-dir`` (default ``{run_dir}/tensorboard``)."""
         return Path(self.tensorboard_dir) if self.tensorboard_dir else self.run_path / "tensorboard"
 
     @property
     def metrics_file(self) -> Path:
+        """JSON Lines metrics (default ``{run_dir}/metrics.jsonl``)."""
         return Path(self.metrics_path) if self.metrics_path else self.run_path / METRICS_FILE
 
     @property
@@ -127,10 +133,12 @@ class TrainingConfig:
 
     @property
     def decay_iters(self) -> int:
+        """``lr_decay_iters``, or ``train_iters`` when unset (Megatron's default)."""
         return self.lr_decay_iters or self.train_iters
 
     # ----------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:
+        """All fields as plain JSON-ready values (``model`` as a dict)."""
         data = asdict(self)
         data["model"] = self.model.to_dict()
         return data
@@ -160,6 +168,7 @@ class TrainingConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "TrainingConfig":
+        """Read a ``run.json`` written by :meth:`to_json` (errors as :meth:`from_dict`)."""
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     # ----------------------------------------------------------------- checks
@@ -541,10 +550,12 @@ class Trainer:
 
     @property
     def bare_model(self):
+        """The ``GPTModel`` inside the DDP wrapper."""
         return getattr(self.model, "module", self.model)
 
     @property
     def device(self):
+        """Where batches go: the current CUDA device, or the CPU."""
         import torch
 
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -682,6 +693,7 @@ class MetricsLogger:
             self.writer = None
 
     def log(self, record: dict[str, Any], console: str | None = None) -> None:
+        """Append ``record`` (``kind``, ``iteration`` and numbers) everywhere; print ``console``."""
         if not self.active:
             return
         if console:
@@ -696,6 +708,7 @@ class MetricsLogger:
             self.writer.flush()
 
     def close(self) -> None:
+        """Flush and close TensorBoard."""
         if self.writer is not None:
             self.writer.close()
 
