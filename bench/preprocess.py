@@ -127,6 +127,10 @@ def read_result(stdout: str) -> dict[str, Any]:
 
 def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int) -> None:
     t0 = time.perf_counter()
+    import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported inside the call: keep it out of the phase)
+    import tokenizers  # noqa: F401
+    import tqdm.auto  # noqa: F401
+
     from helpers.preprocess import tokenize_to_indexed_dataset
 
     t1 = time.perf_counter()
@@ -145,9 +149,12 @@ def gigatoken_to_indexed_dataset(jsonl: str | os.PathLike, tokenizer_dir: str | 
     As Megatron-LM's ``tools/preprocess_data_fast.py``: ``gigatoken.Tokenizer`` built from
     the folder's ``tokenizer.json`` encodes the whole file (``encode_files``, Rust threads:
     ``RAYON_NUM_THREADS`` sets their number), then megatron-core's ``IndexedDatasetBuilder``
-    writes one sequence per document with the EOD id appended. Unlike the fast tool, empty
-    documents are skipped (as :func:`helpers.preprocess.tokenize_to_indexed_dataset` does),
-    so the files can be byte-identical to the series' own.
+    writes one sequence per document with the EOD id appended. Two differences from the fast
+    tool keep the output byte-identical to :func:`helpers.preprocess.tokenize_to_indexed_dataset`:
+    empty documents are skipped, and the tokenizer is built without its ``added_tokens``, so a
+    literal ``<|endoftext|>`` inside a document is encoded as text (what
+    :func:`helpers.tokenizer.load_fast_tokenizer` does with ``encode_special_tokens``;
+    gigatoken and Megatron-LM's ``HuggingFaceTokenizer`` would turn it into the EOD id).
 
     Returns:
         ``{"num_documents", "num_tokens", "skipped_empty"}``.
@@ -164,7 +171,9 @@ def gigatoken_to_indexed_dataset(jsonl: str | os.PathLike, tokenizer_dir: str | 
 
     vocab_size = tokenizer_mod.vocab_size_of(tokenizer_dir)
     eod = tokenizer_mod.eod_id(tokenizer_dir)
-    tok = gigatoken.Tokenizer(str(Path(tokenizer_dir) / "tokenizer.json"))
+    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["added_tokens"] = []  # a literal "<|endoftext|>" in a document stays text, as in helpers.tokenizer
+    tok = gigatoken.Tokenizer.from_json(json.dumps(spec))
     docs = tok.encode_files(gigatoken.JsonlFileSource([str(jsonl)], field=json_key), parallel=True)
     dtype = DType.optimal_dtype(vocab_size)
     flat = np.asarray(ak.flatten(docs)).astype(dtype, copy=False)

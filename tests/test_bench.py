@@ -223,3 +223,20 @@ def test_count_pip_sources():
            "Collecting tqdm\n  Downloading tqdm-4.70.1-py3-none-any.whl (78 kB)\n"
            "  Using cached six.whl\n")
     assert bench_series.count_pip_sources(out) == {"cached": 2, "downloaded": 1, "local": 1}
+
+
+def test_gigatoken_candidate_writes_the_same_files_as_the_series(tmp_path):
+    pytest.importorskip("gigatoken", reason="gigatoken is optional (bench/README.md): pip install gigatoken==0.10.0")
+    pytest.importorskip("awkward", reason="gigatoken needs awkward")
+    from helpers import corpus, preprocess, tokenizer
+
+    texts = ["def f(x):\n    return x + 1\n", "s = '<|endoftext|>'  # a literal EOD string\n",
+             "class A:\n    pass\n" * 20, "import os\nprint(os.sep)\n"]
+    tok_dir = tokenizer.train_tokenizer(texts * 5, tmp_path / "tok", vocab_size=300)
+    jsonl = tmp_path / "c.json"
+    corpus.write_jsonl([corpus.Document(t, f"{i}.py") for i, t in enumerate(texts)], jsonl)
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "ours", progress=False)
+    counts = bench_pre.gigatoken_to_indexed_dataset(jsonl, tok_dir, tmp_path / "giga")
+    assert counts["num_documents"] == 4
+    same = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "giga")
+    assert same["documents_with_different_ids"] == 0 and same["bin_identical"] and same["idx_identical"]
