@@ -451,6 +451,22 @@ def plot_schedule(pipeline_model_parallel_size: int, num_microbatches: int,
     return fig
 
 
+def bubble_table(pipeline_model_parallel_size: int, microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32)
+                 ) -> list[dict[str, Any]]:
+    """Per micro-batch count m: the bubble by formula and by simulation (1F1B), and the most
+    micro-batches a stage holds at once with 1F1B and with GPipe."""
+    rows = []
+    p = pipeline_model_parallel_size
+    for m in microbatches:
+        one_f_one_b = schedule_stats(pipeline_schedule(p, m))
+        gpipe = schedule_stats(pipeline_schedule(p, m, schedule="gpipe"))
+        rows.append({"micro-batches m": m, f"bubble (p-1)/(m+p-1), p={p}": f"{bubble_fraction(p, m):.1%}",
+                     "simulated 1F1B bubble": f"{one_f_one_b['bubble_fraction']:.1%}",
+                     "1F1B peak micro-batches held": max(one_f_one_b["peak_in_flight"]),
+                     "GPipe peak": max(gpipe["peak_in_flight"])})
+    return rows
+
+
 # =========================================================================== memory calculator
 def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
                         pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
@@ -798,7 +814,7 @@ def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limi
     torchrun = [
         "torchrun", f"--nnodes={plan.nnodes}", f"--nproc_per_node={plan.nproc_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=$HEAD_NODE:{rdzv_port}", "--rdzv_id=$SLURM_JOB_ID",
-        "-m", *plan.target,
+        "-m " + shlex.join(plan.target),
     ]
     lines.append(f"srun{container} " + " \\\n    ".join(torchrun))
     return "\n".join(lines) + "\n"
@@ -841,6 +857,23 @@ class LayoutRun:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LayoutRun":
         return cls(**{**data, "layout": Layout(**data["layout"])})
+
+
+def ensure_run_data(run_dir: str | os.PathLike, *, max_files: int | None = None, vocab_size: int | None = None,
+                    split: str | None = None, progress: bool = True) -> Any:
+    """The run folder's data (notebook 01), made with these settings only if it has none yet.
+
+    When ``{run_dir}/data`` already has a manifest, its own settings are used and the arguments
+    are ignored (so a notebook's defaults never clash with what notebook 01 made).
+
+    Returns:
+        ``helpers.preprocess.DataPaths``.
+    """
+    from helpers import preprocess
+
+    if (Path(run_dir).expanduser().resolve() / preprocess.DATA_DIR / preprocess.MANIFEST_NAME).is_file():
+        return preprocess.ensure_data(run_dir, progress=progress)
+    return preprocess.ensure_data(run_dir, max_files=max_files, vocab_size=vocab_size, split=split, progress=progress)
 
 
 def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_batch_size: int, global_batch_size: int,
@@ -1013,7 +1046,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
             linked.unlink()
         linked.symlink_to(checkpointing.iteration_dir(init_dir, 0), target_is_directory=True)
         (ckpt / checkpointing.TRACKER_FILE).write_text("0\n")
-    plan = launch_plan(layout, ["helpers.parallelism", "train", "--config", str(config_path)])
+    plan = launch_plan(layout, ["helpers.training", "--config", str(config_path)])
     bar, on_line = _progress_handler(cfg.train_iters, layout.label, progress)
     try:
         res = launch.torchrun(list(plan.target), nproc_per_node=plan.nproc_per_node, timeout_s=timeout_s,
@@ -1058,6 +1091,29 @@ def loss_table(runs: Sequence[LayoutRun]) -> tuple[list[str], list[list[str]]]:
     headers = ["iteration"] + [r.name for r in runs]
     rows = [[str(i + 1)] + [f"{r.losses[i]:.6f}" for r in runs] for i in range(len(runs[0].losses))]
     return headers, rows
+
+
+def records_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of dicts that share their keys (the keys are the headers); floats
+    below 1e-3 are written in scientific notation."""
+    from helpers.corpus import markdown_table
+
+    def fmt(v: Any) -> Any:
+        return f"{v:.3g}" if isinstance(v, float) and v != 0 and abs(v) < 1e-3 else v
+
+    return markdown_table(list(rows[0]), [[fmt(v) for v in r.values()] for r in rows])
+
+
+def timing_table(runs: Sequence[LayoutRun], tokens_per_iteration: int) -> list[dict[str, Any]]:
+    """Per run: processes, the launch's wall seconds, the median seconds per iteration and the
+    tokens per second it implies (``tokens_per_iteration`` = global batch x sequence length)."""
+    rows = []
+    for run in runs:
+        per_iter = sorted(run.s_per_iter)[len(run.s_per_iter) // 2]
+        rows.append({"run": run.name, "processes": run.layout.world_size, "wall_s": run.wall_seconds,
+                     "cached": run.skipped, "median_s_per_iter": round(per_iter, 4),
+                     "tokens_per_s": round(tokens_per_iteration / per_iter)})
+    return rows
 
 
 def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
@@ -1150,6 +1206,28 @@ def shard_table(ranks: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     return headers, [layers_row] + [[kind] + cells for kind, cells in kinds.items()]
 
 
+def rank_summary(ranks: list[dict[str, Any]], model: ModelConfig) -> list[dict[str, Any]]:
+    """Per rank of :func:`inspect_shards`: its groups, parameters and TP all-reduces, each next to
+    the formula (:func:`parameters_per_rank`, :func:`expected_tp_allreduces`), and whether they match.
+
+    Returns:
+        ``[{"rank", "tp group", "pp group", "parameters", "formula", "MiB", "all-reduces",
+        "expected", "match"}]`` (MiB = 2^20 bytes of fp32 parameters).
+    """
+    rows = []
+    for r in ranks:
+        tp, pp = len(r["groups"]["tp"]), len(r["groups"]["pp"])
+        formula = parameters_per_rank(model, tp, pp, r["pp_rank"])
+        expected = expected_tp_allreduces(model.num_layers // pp, r["pp_rank"] == 0, r["pp_rank"] == pp - 1) if tp > 1 \
+            else {"forward": 0, "forward_backward": 0}
+        rows.append({"rank": r["rank"], "tp group": r["groups"]["tp"], "pp group": r["groups"]["pp"],
+                     "parameters": r["num_parameters"], "formula": formula,
+                     "MiB": round(r["parameter_bytes"] / 2 ** 20, 3), "all-reduces": r["tp_allreduce"],
+                     "expected": expected,
+                     "match": r["num_parameters"] == formula and r["tp_allreduce"] == expected})
+    return rows
+
+
 def expected_tp_allreduces(layers_on_stage: int, first_stage: bool, last_stage: bool) -> dict[str, int]:
     """Tensor-parallel all-reduces of one micro-batch on one rank (TP > 1, no sequence parallelism).
 
@@ -1167,57 +1245,7 @@ def expected_tp_allreduces(layers_on_stage: int, first_stage: bool, last_stage: 
     return {"forward": forward, "forward_backward": forward + 2 * layers_on_stage + int(last_stage)}
 
 
-# =========================================================================== CPU shim (PP > 1)
-#: megatron-core 0.16.1 ``models/common/language_module/language_module.py`` line 244, in
-#: ``LanguageModule.setup_embeddings_and_output_layer``: with tied embeddings and PP > 1 the
-#: first and last stages copy the word embeddings with ``weight.data = weight.data.cuda()``
-#: before an all-reduce, which fails without CUDA. ``helpers.cpu_compat`` (0.16.1 shims) does
-#: not cover it yet, so :func:`apply_tied_embedding_shim` does, only for this module's entry points.
-TIED_EMBEDDING_SHIM_LINE = (244, "weight.data = weight.data.cuda()")
-
-
-def apply_tied_embedding_shim() -> bool:
-    """Make ``LanguageModule.setup_embeddings_and_output_layer`` keep the tied embedding copy on
-    the CPU (``Tensor.cuda`` is the identity during that call). Idempotent; a no-op with CUDA.
-
-    Returns:
-        True when the shim is (now) applied.
-    """
-    import functools
-
-    import torch
-    from megatron.core.models.common.language_module import language_module
-
-    if torch.cuda.is_available():
-        return False
-    cls = language_module.LanguageModule
-    original = cls.setup_embeddings_and_output_layer
-    if getattr(original, "_cpu_tied_embedding_shim", False):
-        return True
-
-    @functools.wraps(original)
-    def setup_embeddings_and_output_layer(self, *args: Any, **kwargs: Any):
-        real_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            torch.Tensor.cuda = real_cuda
-
-    setup_embeddings_and_output_layer._cpu_tied_embedding_shim = True
-    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
-    return True
-
-
 # =========================================================================== torchrun entry points
-def _train_main(config: str) -> None:
-    """``helpers.training``'s entry point, with :func:`apply_tied_embedding_shim` first."""
-    from helpers import training
-
-    apply_tied_embedding_shim()
-    training.main(["--config", config])
-
-
 def _init_checkpoint_main(config: str) -> None:
     """Build the TP=1 trainer (model, DDP, optimizer, scheduler) and save it at iteration 0."""
     from helpers import training
@@ -1244,7 +1272,6 @@ def _shards_main(config: str, tp: int, pp: int, out: str) -> None:
     from helpers import model as model_lib
     from helpers import training
 
-    apply_tied_embedding_shim()
     cfg = training.TrainingConfig.from_json(config)
     info = training.initialize_distributed(tp, pp, cfg.seed)
     model = model_lib.build_model(cfg.model, precision="fp32", layer_spec="local")
@@ -1301,11 +1328,9 @@ def _masked_mean_loss(loss_mask, output_tensor):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers.parallelism {train,init-checkpoint,shards} --config run.json ...``."""
+    """``python -m helpers.parallelism {init-checkpoint,shards} --config run.json ...``."""
     parser = argparse.ArgumentParser(prog="python -m helpers.parallelism", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="python -m helpers.training --config ..., with the PP>1 CPU shim")
-    p_train.add_argument("--config", required=True)
     p_init = sub.add_parser("init-checkpoint", help="save the TP=1 model's initial weights as iter_0000000")
     p_init.add_argument("--config", required=True)
     p_shards = sub.add_parser("shards", help="report each rank's parameter shards and TP all-reduce counts")
@@ -1314,9 +1339,7 @@ def main(argv: list[str] | None = None) -> int:
     p_shards.add_argument("--pp", type=int, required=True)
     p_shards.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        _train_main(args.config)
-    elif args.command == "init-checkpoint":
+    if args.command == "init-checkpoint":
         _init_checkpoint_main(args.config)
     else:
         _shards_main(args.config, args.tp, args.pp, args.out)

@@ -220,7 +220,7 @@ def test_sbatch_script_and_megatron_args():
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --partition=gpu", "--rdzv_endpoint=$HEAD_NODE:29500", "--rdzv_id=$SLURM_JOB_ID",
-                 "--container-image=nvcr.io/nvidia/pytorch:25.10-py3", "-m \\\n    helpers.training"):
+                 "--container-image=nvcr.io/nvidia/pytorch:25.10-py3", "\n    -m helpers.training --config run.json\n"):
         assert line in script, line
     args = par.megatron_lm_args(par.Layout(2, 2, 4), micro_batch_size=2, global_batch_size=64,
                                 distributed_optimizer=True, recompute="selective")
@@ -233,17 +233,6 @@ def test_sbatch_script_and_megatron_args():
 def test_expected_tp_allreduces():
     assert par.expected_tp_allreduces(4, True, True) == {"forward": 12, "forward_backward": 21}
     assert par.expected_tp_allreduces(2, True, False) == {"forward": 5, "forward_backward": 9}
-
-
-def test_tied_embedding_shim_is_still_needed():
-    """Fails (so the shim can go) once megatron-core stops calling .cuda() there."""
-    import megatron.core
-    from megatron.core.models.common.language_module import language_module
-
-    line, code = par.TIED_EMBEDDING_SHIM_LINE
-    text = Path(language_module.__file__).read_text().splitlines()
-    assert megatron.core.__version__ == "0.16.1"
-    assert text[line - 1].strip() == code
 
 
 # ----------------------------------------------------------------------------- real runs (torchrun)
