@@ -298,5 +298,6 @@ def load_model(checkpoint_dir: str | os.PathLike, iteration: int | None = None, 
         gpt.cuda()
     state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(iteration_dir(checkpoint_dir, iteration)))
     gpt.load_state_dict(state["model"], strict=True)
+    gpt.tokenizer_vocab_size = cfg.vocab_size
     gpt.eval()
     return gpt, meta

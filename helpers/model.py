@@ -353,38 +353,52 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
     return model
 
 
-def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id: int | None = None) -> list[int]:
+def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id: int | None = None,
+                    repetition_penalty: float = 1.0) -> list[int]:
     """Greedy decoding with a (TP=1, single-stage) GPTModel: append the argmax token each step.
 
     No KV cache: the whole (cropped) context is recomputed per token, which is fine for a
     short sample. Padded vocabulary rows (ids >= the tokenizer's size) are never chosen
-    when ``vocab_size`` is known from ``gpt.vocab_size``.
+    when the model carries ``tokenizer_vocab_size`` (set by ``checkpointing.load_model``).
 
     Args:
         gpt: a ``GPTModel`` (eval mode).
         prompt_ids: token ids of the prompt (at least one).
         max_new_tokens: tokens to add.
         eod_id: stop early at this id (``<|endoftext|>``).
+        repetition_penalty: > 1 lowers the logits of tokens already in the context (divides
+            positive, multiplies negative logits), as in CTRL (Keskar et al. 2019) and
+            transformers' ``repetition_penalty``; 1.0 is plain greedy decoding. Small models
+            decoded greedily tend to loop on one token without it.
 
     Returns:
         prompt + generated token ids.
 
     Raises:
-        ValueError: an empty prompt.
+        ValueError: an empty prompt or a non-positive repetition_penalty.
     """
     import torch
 
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: give at least one token (e.g. the tokenizer's encoding of 'def ')")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty={repetition_penalty} must be > 0 (1.0 = none)")
     device = next(gpt.parameters()).device
     max_len = gpt.max_sequence_length
+    vocab_size = getattr(gpt, "tokenizer_vocab_size", None)
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             ctx = torch.tensor([ids[-max_len:]], device=device)
             pos = torch.arange(ctx.shape[1], device=device).unsqueeze(0)
-            logits = gpt(ctx, pos, None)[0, -1]
-            nxt = int(logits.float().argmax())
+            logits = gpt(ctx, pos, None)[0, -1].float()
+            if vocab_size is not None:
+                logits[vocab_size:] = float("-inf")
+            if repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(ids)), device=device)
+                picked = logits[seen]
+                logits[seen] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
+            nxt = int(logits.argmax())
             ids.append(nxt)
             if eod_id is not None and nxt == eod_id:
                 break

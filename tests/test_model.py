@@ -137,3 +137,17 @@ def test_precision_needs_cuda():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="fp32"):
         model.transformer_config(model.ModelConfig(**TINY), precision="bf16")
+
+
+def test_greedy_generate_is_deterministic_and_skips_padded_rows(dist1):
+    gpt = model.build_model(model.ModelConfig(**TINY)).eval()
+    gpt.tokenizer_vocab_size = 10  # rows 10..511 are padding: never chosen
+    a = model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
+    assert a == model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
+    assert a[:3] == [1, 2, 3] and len(a) == 9 and all(0 <= t < 10 for t in a[3:])
+    penalised = model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6, repetition_penalty=1e6)
+    assert len(set(penalised[3:])) == 6  # a huge penalty never repeats a token already in the text
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        model.greedy_generate(gpt, [], 4)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        model.greedy_generate(gpt, [1], 4, repetition_penalty=0)
