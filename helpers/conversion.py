@@ -772,7 +772,7 @@ def _process_group() -> Iterator[None]:
 
 def load_megatron_checkpoint(source: str | os.PathLike | Mapping[str, Any], *,
                              model_config: ModelConfig | Mapping[str, Any] | None = None,
-                             iteration: int | None = None) -> MegatronCheckpoint:
+                             iteration: int | None = None, weights_only: bool = True) -> MegatronCheckpoint:
     """Read a megatron-core GPT: torch_dist checkpoint (any TP size) or plain state dict.
 
     Args:
@@ -781,6 +781,7 @@ def load_megatron_checkpoint(source: str | os.PathLike | Mapping[str, Any], *,
         model_config: the model's ``ModelConfig`` / metadata; default ``model_config.json`` next
             to the checkpoint (written by ``helpers.checkpointing.save_checkpoint``).
         iteration: with a checkpoints folder, this iteration instead of the latest.
+        weights_only: unpickle only tensors from a ``.pt`` file (``torch.load(weights_only=True)``).
 
     Returns:
         :class:`MegatronCheckpoint` in TP=1 layout.
@@ -804,7 +805,15 @@ def load_megatron_checkpoint(source: str | os.PathLike | Mapping[str, Any], *,
         tensors, extra, non_model = read_checkpoint_tensors(path)
         return MegatronCheckpoint(tensors, meta, str(path), it if it is not None else meta.get("iteration"),
                                   fmt, extra, non_model)
-    raw = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch's unpickling errors have no common public type
+        if not weights_only:
+            raise
+        raise ConversionError(
+            f"{path} holds objects besides tensors ({type(err).__name__}); if you trust the file, pass "
+            "weights_only=False to unpickle it (legacy Megatron-LM files store their arguments this way)"
+        ) from err
     if not isinstance(raw, Mapping):
         raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict")
     sd = raw["model"] if isinstance(raw.get("model"), Mapping) else raw
@@ -862,6 +871,25 @@ def _check_tokenizer(tokenizer_dir: Path, meta: Mapping[str, Any]) -> tuple[int,
     return size, eod
 
 
+def _tokenizer_dir(given: str | os.PathLike | None, ckpt: MegatronCheckpoint) -> Path:
+    """The tokenizer folder: the one given, else the one recorded at training time, else the run
+    folder's ``data/tokenizer`` next to ``checkpoints/`` (a run folder that was moved)."""
+    if given:
+        return Path(given).expanduser()
+    recorded = ckpt.meta.get("tokenizer_dir")
+    candidates = [Path(recorded)] if recorded else []
+    if ckpt.source != "<memory>":
+        src = Path(ckpt.source)
+        candidates += [p / "data" / "tokenizer" for p in (src.parent.parent, src.parent.parent.parent)]
+    for candidate in candidates:
+        if (candidate / "vocab.json").is_file():
+            return candidate
+    if recorded:
+        return Path(recorded)
+    raise ConversionError("no tokenizer_dir given, none recorded in model_config.json and no data/tokenizer "
+                          "in the run folder: pass tokenizer_dir= (the folder training used)")
+
+
 def _prepare_output(output_dir: Path, overwrite: bool) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"output_dir={str(output_dir)!r} is a file: pass a folder path")
@@ -900,7 +928,7 @@ def convert_to_hf(source: str | os.PathLike | Mapping[str, Any] | MegatronCheckp
         source: see :func:`load_megatron_checkpoint` (or an already loaded checkpoint).
         output_dir: the transformers folder to create (e.g. ``{run_dir}/hf_model``).
         tokenizer_dir: the tokenizer training used; default the ``tokenizer_dir`` recorded in
-            ``model_config.json``.
+            ``model_config.json`` (or ``data/tokenizer`` of the run folder, if that moved).
         model_config: needed when there is no ``model_config.json`` next to the checkpoint.
         iteration: with a checkpoints folder, a given iteration instead of the latest.
         overwrite: replace an existing non-empty ``output_dir`` (only after the new one is complete).
@@ -925,9 +953,7 @@ def convert_to_hf(source: str | os.PathLike | Mapping[str, Any] | MegatronCheckp
     ckpt = source if isinstance(source, MegatronCheckpoint) else load_megatron_checkpoint(
         source, model_config=model_config, iteration=iteration)
     meta = ckpt.meta
-    tok_dir = Path(tokenizer_dir or meta.get("tokenizer_dir") or "")
-    if not str(tok_dir):
-        raise ConversionError("no tokenizer_dir given and none recorded in model_config.json: pass tokenizer_dir=")
+    tok_dir = _tokenizer_dir(tokenizer_dir, ckpt)
     vocab, eod = _check_tokenizer(tok_dir, meta)
     hf_sd = megatron_to_hf_state_dict(ckpt.state_dict, meta, vocab)
     config = gpt2_config(meta, vocab_size=vocab, eod_id=eod)

@@ -333,3 +333,40 @@ def test_bad_paths_and_tokenizers_are_clear_errors(plain_checkpoint, tokenizer_d
     with pytest.raises(conversion.ConversionError, match="pass the tokenizer folder that training used"):
         conversion.convert_to_hf(path, tmp_path / "out", tokenizer_dir=small)
     assert not (tmp_path / "out").exists(), "a failed conversion leaves no output folder"
+
+
+# --------------------------------------------------------------------------- a real (tiny) training run
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """ensure_trained_checkpoint: 60 stdlib files, BPE of 300 entries, 6 iterations of a 2-layer GPT."""
+    run = tmp_path_factory.mktemp("run")
+    ckpt_dir, result = conversion.ensure_trained_checkpoint(
+        run, train_iters=6, max_files=60, vocab_size=VOCAB, split="90,10,0",
+        model_overrides=dict(num_layers=2, hidden_size=48, num_attention_heads=3, seq_length=32),
+        micro_batch_size=4, global_batch_size=8, eval_interval=3, eval_iters=2, save_interval=6, log_interval=3)
+    assert result is not None and result.summary["iterations"] == 6
+    again, cached = conversion.ensure_trained_checkpoint(run, train_iters=6)
+    assert again == ckpt_dir and cached is None
+    return run, ckpt_dir, result
+
+
+def test_training_run_converts_with_its_validation_loss(trained_run):
+    run, ckpt_dir, result = trained_run
+    conv = conversion.ensure_hf_model(run)
+    assert not conv.skipped and conv.iteration == 6 and conv.output_dir == run / "hf_model"
+    assert conversion.ensure_hf_model(run).skipped
+    megatron_model, _ = checkpointing.load_model(ckpt_dir)
+    hf = conversion.load_hf_model(conv.output_dir)
+    ids = conversion.validation_tokens(run, num_samples=2)
+    assert ids.shape == (2, 32)
+    assert conversion.compare_logits(conversion.megatron_logits(megatron_model, ids), conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    val = conversion.compare_validation_loss(run, hf, megatron_model, iteration=6)
+    assert val.training_loss == pytest.approx(result.summary["final_valid_loss"], abs=0)
+    assert abs(val.megatron_loss - val.training_loss) <= 1e-5
+    assert abs(val.hf_loss - val.megatron_loss_real_vocab) <= 1e-5
+    assert val.padded_columns == 84 and val.training_loss - val.hf_loss > 1e-3  # padding columns' share, see above
+    moved = run.parent / (run.name + "_moved")
+    shutil.copytree(run, moved)
+    shutil.rmtree(run / "data" / "tokenizer")  # the path recorded in model_config.json no longer exists
+    redo = conversion.convert_to_hf(moved / "checkpoints", moved / "hf_again")
+    assert conversion.compare_hf_folders(conv.output_dir, redo.output_dir)["identical"]
