@@ -195,6 +195,7 @@ class TrainingConfig:
                 data-parallel size, warmup not shorter than decay, unknown precision or
                 decay style, bf16/fp16 without CUDA.
             FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
+            ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
         """
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                      "eval_iters", "eval_interval", "tensor_model_parallel_size",
@@ -216,6 +217,9 @@ class TrainingConfig:
                 f"data prefix {prefix} has no {', '.join(missing)}: run notebook 01 "
                 "(or helpers.preprocess.ensure_data(run_dir)) first, or pass data_prefix="
             )
+        from helpers import dataloader
+
+        dataloader.check_split(dataloader._sequence_lengths(str(prefix)), self.split)  # empty split: error, not a hang
         if not (self.tokenizer_path / "vocab.json").exists():
             raise FileNotFoundError(f"no tokenizer in {self.tokenizer_path} (vocab.json): run notebook 01 first")
         from helpers import tokenizer as tokenizer_lib

@@ -92,13 +92,15 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
     cfg = tiny_config(data, tmp_path)
     with pytest.raises(ValueError, match="not divisible by micro_batch_size x data_parallel_size = 4 x 2"):
         replace(cfg, global_batch_size=12).check(world_size=2)
+    with pytest.raises(ValueError, match="test split 0 of"):  # 119 documents: "969,30,1" leaves no test document
+        replace(cfg, split="969,30,1").check()
     with pytest.raises(FileNotFoundError, match="no_such_prefix"):
         replace(cfg, data_prefix=str(tmp_path / "no_such_prefix")).check()
     with pytest.raises(ValueError, match="max_position_embeddings"):
         training.profile("cpu", str(tmp_path), model={**TINY_MODEL, "seq_length": 128})
     with pytest.raises(ValueError, match="tokenizer .* has 1024 entries"):
         training.profile("cpu", str(tmp_path), model={**TINY_MODEL, "vocab_size": 2000},
-                         data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir).check()
+                         data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir, split=cfg.split).check()
     with pytest.raises(ValueError, match="needs a CUDA GPU") if not torch.cuda.is_available() else _nothing():
         replace(cfg, precision="bf16").check()
 
