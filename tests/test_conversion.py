@@ -195,6 +195,8 @@ def test_convert_to_hf_writes_a_complete_exact_folder(plain_checkpoint, hf_folde
     assert json.loads((out / conversion.CONVERSION_FILE).read_text())["padded_rows_removed"] == 84
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = tokens(seed=4)
+    rebuilt = conversion.build_megatron_model(conversion.load_megatron_checkpoint(plain_checkpoint[0]))
+    assert torch.equal(conversion.megatron_logits(rebuilt, ids), conversion.megatron_logits(model, ids))
     assert conversion.compare_logits(conversion.megatron_logits(model, ids), conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
     tok = AutoTokenizer.from_pretrained(out)
     prompt = "def hello_world():"
