@@ -446,7 +446,8 @@ def plot_schedule(pipeline_model_parallel_size: int, num_microbatches: int,
                      f"(formula (p-1)/(m+p-1) = {bubble_fraction(p, m):.1%}) | peak micro-batches held "
                      f"{max(stats['peak_in_flight'])}", fontsize=9)
         ax.legend(handles=[Patch(color=colors["F"], label="forward (micro-batch no.)"),
-                           Patch(color=colors["B"], label="backward")], fontsize=7, loc="upper right")
+                           Patch(color=colors["B"], label="backward")], fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
@@ -917,10 +918,12 @@ def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_b
 
 
 def _launch_env(world_size: int) -> dict[str, str]:
-    """Hide GPUs when there are fewer than ``world_size`` (the comparison then runs on CPU, gloo)."""
+    """Hide the GPUs from a launch when there are fewer than ``world_size`` or than 2 (the largest
+    layout compared), so that every layout of a comparison runs on the same kind of device: all
+    on the CPU (gloo, fp32), or all on GPUs (NCCL, fp32)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+    if torch.cuda.is_available() and torch.cuda.device_count() < max(world_size, 2):
         return {"CUDA_VISIBLE_DEVICES": ""}
     return {}
 
@@ -1030,6 +1033,11 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
             f"run_dir, or delete {folder}" + (f" and {ckpt}" if checkpoint_dir else "") + " to rerun."
         )
     latest = checkpointing.latest_iteration(ckpt)
+    if latest is not None and not config_path.exists():
+        raise ValueError(
+            f"{ckpt} already holds a checkpoint (iteration {latest}) that run_layout did not make for {name}: "
+            "nothing was launched or changed. Pass another checkpoint_dir, or delete that folder to rerun."
+        )
     if latest is not None:
         saved = checkpointing.read_model_config(ckpt, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(layout.tensor_model_parallel_size), ckpt)
@@ -1133,7 +1141,7 @@ def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
     ax2.set(title=f"|loss - {reference.name} loss| (1e-12 = identical)", xlabel="iteration",
             ylabel="absolute difference (nats/token)")
     ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     return fig
 

@@ -268,6 +268,16 @@ def test_tp2_trains_like_tp1_from_megatrons_own_cpu_initialisation(base):
     again = par.run_layout(base, par.Layout(2, 1, 1), initial="own", progress=False,
                            checkpoint_dir=base.run_path.parent / "checkpoints_tp2")
     assert again.skipped and again.losses == tp2.losses
+    # Nothing already produced is overwritten: another config in the same folder, or a foreign checkpoint.
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="holds a run of another config"):
+        par.run_layout(replace(base, lr=2e-3), par.Layout(2, 1, 1), initial="own", progress=False,
+                       checkpoint_dir=base.run_path.parent / "checkpoints_tp2")
+    with pytest.raises(ValueError, match="did not make"):
+        par.run_layout(base, par.Layout(2, 1, 1), initial="own", name="other", progress=False,
+                       checkpoint_dir=base.run_path.parent / "checkpoints_tp2")
+    assert checkpointing.latest_iteration(base.run_path.parent / "checkpoints_tp2") == 3
 
 
 def test_shards_on_real_tp2_ranks_match_the_formulas(base):
