@@ -3,9 +3,11 @@
 Both sides train the same GPT-2 shape (the ``cpu`` model profile: 4 layers, hidden 256,
 4 heads, sequence length 256, vocabulary 8,192; ``helpers.conversion.gpt2_config`` gives
 ``GPT2LMHeadModel`` identical dimensions) on the same samples (the same megatron-core
-``GPTDataset``, read in order) with the same batch (micro-batch 8, global batch 16: two
-micro-batches of gradient accumulation), optimizer (fused AdamW, lr 1e-3, weight decay 0.1
-without decay on biases and LayerNorm, clip 1.0), fp32 on CPU:
+``GPTDataset``, read in order) with the same batch (the ``cpu`` training profile's: micro-batch
+4, global batch 8, i.e. two micro-batches of gradient accumulation, when RESULTS.md was
+measured), optimizer settings (fused AdamW, the profile's lr, weight decay 0.1 without decay
+on biases and LayerNorm, clip 1.0), fp32 on CPU. The parent builds one ``TrainingConfig``
+and hands it to every run:
 
 * ``megatron``: :func:`helpers.training.setup` + :func:`helpers.training.train_step` (GPTModel
   with the local layer spec, megatron-core DDP, ``get_forward_backward_func`` schedule,
@@ -99,17 +101,25 @@ def timed_iterations(step_end_times: list[float], start_time: float, warmup: int
 
 # --------------------------------------------------------------------------- configuration
 def training_config(opts: dict[str, Any]):
-    """The :class:`helpers.training.TrainingConfig` both sides use, from the benchmark options."""
+    """The :class:`helpers.training.TrainingConfig` both sides use, from the benchmark options.
+
+    The parent process builds it once and passes it to both sides as a dict
+    (``opts["config"]``), so every run of the benchmark trains with the same settings even if
+    the profiles in ``helpers.training`` change while it runs. Batch sizes left ``None`` in
+    ``opts`` are the profile's own.
+    """
     from helpers import training
 
+    if "config" in opts:
+        return training.TrainingConfig.from_dict(opts["config"])
+    batch = {k: opts[k] for k in ("micro_batch_size", "global_batch_size") if opts.get(k)}
     model_overrides: dict[str, Any] = {"vocab_size": opts["vocab_size"]}
     if opts.get("seq_length"):
         model_overrides.update(seq_length=opts["seq_length"], max_position_embeddings=max(opts["seq_length"], 256))
     if opts["profile"] == "codeparrot-small":
         model_overrides.update(max_position_embeddings=max(1024, opts.get("seq_length") or 1024))
     return training.profile(
-        opts["profile"], opts["run_dir"], model=model_overrides, micro_batch_size=opts["micro_batch_size"],
-        global_batch_size=opts["global_batch_size"], train_iters=opts["iters"], lr_warmup_iters=1,
+        opts["profile"], opts["run_dir"], model=model_overrides, **batch, train_iters=opts["iters"], lr_warmup_iters=1,
         lr_decay_iters=max(opts["iters"], 2), save_interval=None, eval_interval=opts["iters"], eval_iters=1,
         precision="auto", split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
         tensorboard_dir=str(Path(opts["out_dir"]) / "tensorboard"),
@@ -275,14 +285,17 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.run_dir or common.ROOT / "runs" / ("bench" if profile == "cpu" else "bench-codeparrot-small"))
     vocab = 8192 if profile == "cpu" else 32768
     paths = ensure_data(run_dir, vocab_size=vocab, progress=False)
-    micro = args.micro_batch_size or (8 if profile == "cpu" else 12)
-    global_batch = args.global_batch_size or (16 if profile == "cpu" else 192)
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    return {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,
+    opts = {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,
             "iters": args.iters or (12 if profile == "cpu" else 30), "warmup": args.warmup,
-            "micro_batch_size": micro, "global_batch_size": global_batch, "threads": args.threads,
-            "seq_length": args.seq_length, "hf_attention": args.hf_attention, "device": args.device}
+            "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+            "threads": args.threads, "seq_length": args.seq_length, "hf_attention": args.hf_attention,
+            "device": args.device}
+    cfg = training_config(opts)
+    cfg.check()
+    opts.update(micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size, config=cfg.to_dict())
+    return opts
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -343,7 +356,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     return {
         "benchmark": "training", "machine": machine, "load_average_after": common.load_average(),
-        "options": opts, "tokens_per_iteration": tokens_per_iter, "flops_per_token": fpt,
+        "options": {k: v for k, v in opts.items() if k != "config"}, "config": opts["config"],
+        "tokens_per_iteration": tokens_per_iter, "flops_per_token": fpt,
         "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
         "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
                                                                       sides["trainer"]["tokens_per_second"]),
@@ -385,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 12 on CPU, 30 on GPU)")
     parser.add_argument("--warmup", type=int, default=2, help="iterations per run left out of the timing (default 2)")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side (default 2)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="default 8 (CPU) / 12 (GPU)")
-    parser.add_argument("--global-batch-size", type=int, default=None, help="default 16 (CPU) / 192 (GPU)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the training profile's")
+    parser.add_argument("--global-batch-size", type=int, default=None, help="default: the training profile's")
     parser.add_argument("--seq-length", type=int, default=None, help="default: the profile's (256 / 1024)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side (default 2)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
