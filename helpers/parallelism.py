@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
 import sys
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
