@@ -305,7 +305,7 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     """Process group, megatron-core model-parallel groups and seeded RNGs, as pretrain_gpt does.
 
     Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them a
-    single process (a free port on localhost). NCCL with CUDA, gloo on CPU (and the
+    single process (a free port on localhost; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
     :mod:`helpers.cpu_compat` shims). Seeds: Python/NumPy/torch with ``seed + 100 * pp_rank``
     and megatron's tracker with ``model_parallel_cuda_manual_seed`` (Megatron-LM
     ``_set_random_seed``).
@@ -326,10 +326,8 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     from helpers.launch import free_port
 
     cpu_compat.apply()
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    world_size = int(os.environ["WORLD_SIZE"])
+    under_torchrun = "RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else 1
     mp = tensor_model_parallel_size * pipeline_model_parallel_size
     if world_size % mp:
         raise ValueError(
@@ -339,7 +337,11 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if under_torchrun:
+            dist.init_process_group(backend)
+        else:  # one process; leave os.environ alone so child processes do not inherit a rendezvous
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
@@ -740,7 +742,7 @@ def setup(cfg: TrainingConfig) -> Trainer:
 
     from helpers import model as model_lib
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     cfg.check(world_size)
     precision = resolve_precision(cfg.precision)
     info = initialize_distributed(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.seed)

@@ -126,7 +126,8 @@ def test_port_in_use_is_a_clear_error(data, tmp_path):
 
 # --------------------------------------------------------------------------- real runs
 def _start(config_path: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "helpers.training", "--config", str(config_path), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=ROOT, start_new_session=True)
