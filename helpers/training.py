@@ -901,7 +901,8 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
         f"padded vocab size {cfg.model.padded_vocab_size(cfg.tensor_model_parallel_size)}")
     say(f"> optimizer: {trainer.optimizer_name}; micro-batch {cfg.micro_batch_size} x DP "
         f"{trainer.dist_info['dp']} x {trainer.num_micro_batches} micro-batches = global batch {cfg.global_batch_size}")
-    say(f"> {'resumed from checkpoint at iteration ' + str(start) if start else 'starting from scratch'}; "
+    loaded = checkpointing.latest_iteration(cfg.checkpoint_path) is not None
+    say(f"> {'resumed from checkpoint at iteration ' + str(start) if loaded else 'starting from scratch'}; "
         f"set-up {time.perf_counter() - t_setup:.1f} s")
     tokens_per_iter = cfg.global_batch_size * cfg.model.seq_length
     last_train, last_valid, tok_rates = None, None, []
