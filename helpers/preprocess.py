@@ -382,6 +382,13 @@ def ensure_data(
 
     if stop_after not in (None, "corpus", "tokenizer"):
         raise ValueError(f"stop_after={stop_after!r}: use 'corpus', 'tokenizer' or None")
+    # Check the settings later steps use before anything is written: a bad one found only at
+    # the tokenizer step would leave a manifest that refuses the corrected rerun.
+    if vocab_size is not None and vocab_size < tokenizer_mod.MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs the byte "
+                         f"alphabet plus special tokens; pass vocab_size >= {tokenizer_mod.MIN_VOCAB_SIZE}")
+    if split is not None and split_document_ranges(1000, split)[0] is None:
+        raise ValueError(f"split={split!r} gives the train part weight 0: the tokenizer is trained on it")
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME

@@ -113,6 +113,19 @@ def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
     assert preprocess.verify_read_back(rebuilt.data_prefix, rebuilt.jsonl, rebuilt.tokenizer_dir, indices=[0, 1]) == 2
 
 
+def test_ensure_data_rejects_bad_settings_before_writing(tmp_path):
+    """A vocab size or split the tokenizer step would reject must not leave a manifest behind
+    (it would refuse the corrected rerun with 'was made with vocab_size=100')."""
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"vocab_size=100 is too small.*>= 257"):
+        preprocess.ensure_data(run, max_files=5, vocab_size=100, progress=False)
+    with pytest.raises(ValueError, match=r"split='0,1,1'.*weight 0"):
+        preprocess.ensure_data(run, max_files=5, split="0,1,1", progress=False)
+    with pytest.raises(ValueError, match=r"split='a,b'"):
+        preprocess.ensure_data(run, max_files=5, split="a,b", progress=False)
+    assert not run.exists()
+
+
 def test_ensure_corpus_dataset_uses_the_run_tokenizer(tmp_path):
     run = tmp_path / "run"
     main = preprocess.ensure_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
