@@ -192,7 +192,8 @@ class TrainingConfig:
 
         Raises:
             ValueError: non-positive sizes, a global batch not divisible by micro-batch x
-                data-parallel size, warmup not shorter than decay, unknown precision or
+                data-parallel size, TP not dividing the heads / hidden size / MLP width or PP
+                not dividing the layers (:func:`helpers.parallelism.check_layout`), warmup not shorter than decay, unknown precision or
                 decay style, bf16/fp16 without CUDA.
             FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
             ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
@@ -202,7 +203,12 @@ class TrainingConfig:
                      "pipeline_model_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        num_microbatches(self.global_batch_size, self.micro_batch_size, self.data_parallel_size(world_size))
+        dp = self.data_parallel_size(world_size)
+        num_microbatches(self.global_batch_size, self.micro_batch_size, dp)
+        from helpers import parallelism  # TP divides heads/width, PP divides layers: before any process starts
+
+        parallelism.check_layout(self.model, parallelism.Layout(self.tensor_model_parallel_size,
+                                                                self.pipeline_model_parallel_size, dp))
         if self.lr_warmup_iters >= self.decay_iters:
             raise ValueError(f"lr_warmup_iters={self.lr_warmup_iters} must be below lr_decay_iters={self.decay_iters}")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):

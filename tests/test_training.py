@@ -94,6 +94,10 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
         replace(cfg, global_batch_size=12).check(world_size=2)
     with pytest.raises(ValueError, match="test split 0 of"):  # 119 documents: "969,30,1" leaves no test document
         replace(cfg, split="969,30,1").check()
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=3 is larger than num_layers=2"):
+        replace(cfg, pipeline_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide num_attention_heads"):
+        replace(cfg, tensor_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
     with pytest.raises(FileNotFoundError, match="no_such_prefix"):
         replace(cfg, data_prefix=str(tmp_path / "no_such_prefix")).check()
     with pytest.raises(ValueError, match="max_position_embeddings"):
