@@ -97,6 +97,19 @@ def torchrun_command(
 
 
 _RANK_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception)\b.*)$")
+
+
+def _rank_error(lines: Sequence[str], rank: int | None) -> str | None:
+    """The last ``SomeError: message`` line of the failing rank (torchrun prints its own
+    ``ChildFailedError`` traceback after it, so the log tail alone often hides the cause)."""
+    found = None
+    for line in lines:
+        match = _EXCEPTION_LINE.match(line.strip())
+        if (match and "ChildFailedError" not in match.group(2)
+                and (rank is None or match.group(1) in (None, str(rank)))):
+            found = match.group(2)
+    return found
 
 
 def torchrun(
@@ -195,8 +208,10 @@ def torchrun(
         match = _RANK_FAILURE.search(text)
         rank = int(match.group(1)) if match else None
         who = f"rank {rank}" if rank is not None else "a process"
+        cause = _rank_error(lines, rank)
         raise LaunchError(
-            f"torchrun job failed: {who} exited with an error (exit code {proc.returncode}).",
+            f"torchrun job failed: {who} exited with an error (exit code {proc.returncode})"
+            + (f": {cause}" if cause else "."),
             "\n".join(tail),
             failed_rank=rank,
         )

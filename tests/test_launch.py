@@ -56,6 +56,24 @@ def test_failing_rank_is_named(tmp_path):
     assert "rank 1 exited with an error" in str(err.value)
 
 
+def test_failing_rank_error_line_is_in_the_message(tmp_path):
+    """torchrun prints its own ChildFailedError traceback last; the message names the rank's exception."""
+    script = tmp_path / "fail_value.py"
+    script.write_text(
+        "import os\n"
+        "if int(os.environ['RANK']) == 1:\n"
+        "    raise ValueError('num_layers=2 is not divisible by 3')\n"
+    )
+    with pytest.raises(launch.LaunchError) as err:
+        launch.torchrun([str(script)], nproc_per_node=2, timeout_s=60, module=False, on_line=None)
+    first_line = str(err.value).splitlines()[0]
+    assert "rank 1 exited with an error" in first_line
+    assert "ValueError: num_layers=2 is not divisible by 3" in first_line
+    assert launch._rank_error(["[rank0]: KeyError: 'x'", "[rank1]:     raise ValueError(",
+                               "[rank1]: ValueError: bad", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"],
+                              1) == "ValueError: bad"
+
+
 def test_timeout_kills_the_job(tmp_path):
     script = tmp_path / "sleep.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
