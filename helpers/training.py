@@ -483,13 +483,19 @@ def build_optimizer(model, cfg: TrainingConfig):
 def build_scheduler(optimizer, cfg: TrainingConfig):
     """megatron-core ``OptimizerParamScheduler``: linear warmup to ``lr`` over
     ``lr_warmup_iters``, then ``lr_decay_style`` decay to ``min_lr`` at ``lr_decay_iters``,
-    counted in iterations (one ``step(1)`` per optimizer step)."""
+    counted in iterations (one ``step(1)`` per optimizer step).
+
+    On resume only the step count comes from the checkpoint; the schedule is ``cfg``'s
+    (Megatron-LM ``--override-opt_param-scheduler``). megatron-core's default would keep the
+    checkpoint's decay length, so a rerun with more ``train_iters`` would sit at ``min_lr``
+    instead of following :func:`lr_schedule`."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
         lr_decay_steps=cfg.decay_iters, lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
         end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
     )
 
 

@@ -70,6 +70,27 @@ def test_lr_schedule_is_linear_warmup_then_cosine_to_min():
     assert lrs[-1] < 1.01e-4 + 1e-6
 
 
+def test_resumed_scheduler_follows_the_new_config_schedule():
+    """A rerun with more train_iters must follow lr_schedule(new cfg), not the checkpoint's decay length."""
+    old_cfg = training.TrainingConfig(train_iters=10, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4)
+    new_cfg = replace(old_cfg, train_iters=20)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=old_cfg.lr)
+    old = training.build_scheduler(opt, old_cfg)
+    for _ in range(10):
+        old.step(1)
+    opt2 = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=new_cfg.lr)
+    resumed = training.build_scheduler(opt2, new_cfg)
+    resumed.load_state_dict(old.state_dict())
+    expected = training.lr_schedule(new_cfg)
+    got = []
+    for _ in range(10):
+        got.append(opt2.param_groups[0]["lr"])
+        resumed.step(1)
+    assert got == pytest.approx(expected[10:])
+    assert got[0] > new_cfg.min_lr
+
+
 def test_codeparrot_small_profile_is_the_guide():
     c = training.PROFILES["codeparrot-small"]
     assert (c.micro_batch_size, c.global_batch_size, c.lr, c.train_iters, c.lr_decay_iters, c.lr_warmup_iters,
