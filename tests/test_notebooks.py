@@ -70,6 +70,17 @@ def test_one_parameters_cell_of_typed_commented_literals(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_exercises_that_raise_a_parameter_name_a_new_value(path):
+    """'Raise `train_iters` to 200' when the default is already 200 asks for a no-op rerun."""
+    nb = _read(path)
+    defaults = {node.target.id: ast.literal_eval(node.value) for node in ast.parse(nb.cells[1].source).body}
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    for name, value in re.findall(r"[Rr]aise `(\w+)` to ([\d.]+)", text):
+        if name in defaults:
+            assert float(value) > float(defaults[name]), f"{path.name}: exercise raises {name} to {value}, default {defaults[name]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_no_logic_or_installs_in_notebooks(path):
     nb = _read(path)
     for cell in nb.cells:
