@@ -664,11 +664,14 @@ def evaluate(trainer: Trainer, dataset=None, eval_iters: int | None = None) -> f
     (the validation set by default), forward only, no gradient (Megatron-LM ``evaluate``).
 
     Returns:
-        The loss on the last pipeline stage, None elsewhere.
+        The loss on the last pipeline stage, None elsewhere, and None when there is no
+        dataset (a ``split`` whose valid weight is 0: Megatron-LM then skips evaluation).
     """
     import torch
 
     dataset = trainer.valid_ds if dataset is None else dataset
+    if dataset is None:
+        return None
     eval_iters = eval_iters or trainer.cfg.eval_iters
     trainer.model.eval()
     losses = []

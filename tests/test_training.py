@@ -91,6 +91,15 @@ def test_resumed_scheduler_follows_the_new_config_schedule():
     assert got[0] > new_cfg.min_lr
 
 
+def test_evaluate_without_a_validation_set_is_skipped():
+    """split '1,0,0' passes check() and builds no valid dataset; evaluation used to crash with
+    TypeError: object of type 'NoneType' has no len() at iteration 0."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(valid_ds=None, cfg=training.TrainingConfig(), model=None)
+    assert training.evaluate(trainer) is None
+
+
 def test_codeparrot_small_profile_is_the_guide():
     c = training.PROFILES["codeparrot-small"]
     assert (c.micro_batch_size, c.global_batch_size, c.lr, c.train_iters, c.lr_decay_iters, c.lr_warmup_iters,
