@@ -117,6 +117,7 @@ def notebook_parameters(path: Path) -> dict[str, dict[str, Any]]:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """``"train_iters=500"`` -> ``("train_iters", 500)``; values are Python literals or strings.
+    A bare comma-separated value stays a string (``split=969,30,1`` -> ``"969,30,1"``).
 
     Raises:
         ParameterError: no ``=`` in ``text``.
@@ -128,6 +129,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw
+    if isinstance(value, tuple) and not raw.strip().startswith("("):
+        value = raw  # split=969,30,1 is Megatron's split string, not the tuple (969, 30, 1)
     return name.strip(), value
 
 

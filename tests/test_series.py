@@ -41,6 +41,8 @@ def test_parse_override_reads_literals_and_strings():
     assert series.parse_override("lr=5e-4") == ("lr", 5e-4)
     assert series.parse_override("flag=True") == ("flag", True)
     assert series.parse_override("source=/data/code") == ("source", "/data/code")
+    assert series.parse_override("split=969,30,1") == ("split", "969,30,1")  # was the tuple (969, 30, 1)
+    assert series.parse_override("blend_split=90,9,1") == ("blend_split", "90,9,1")
     with pytest.raises(series.ParameterError, match="name=value"):
         series.parse_override("train_iters")
 
