@@ -69,6 +69,34 @@ def test_one_parameters_cell_of_typed_commented_literals(path):
         assert name in declared
 
 
+def _cell_with(path, text):
+    cells = [c.source for c in _read(path).cells if c.cell_type == "code" and text in c.source]
+    assert len(cells) == 1, f"{path.name}: {len(cells)} code cells contain {text!r}"
+    return cells[0]
+
+
+def test_cells_accept_a_split_part_of_weight_0(tmp_path):
+    """The split guard suggests weight 0 ('969,0,1'); notebook 02's split table and notebook
+    03's summary line crashed on the missing part (TypeError on None)."""
+    from types import SimpleNamespace
+
+    from helpers import corpus, dataloader, results, training
+
+    nb_dir = NOTEBOOKS[0].parent
+    shown = []
+    env = dict(dataloader=dataloader, corpus=corpus, results=results, run_dir=str(tmp_path), NOTEBOOK="x",
+               Markdown=str, display=shown.append, train_iters=10, global_batch_size=8, eval_interval=5,
+               eval_iters=2, seq_length=64)
+    env["preprocess"] = SimpleNamespace(ensure_data=lambda run_dir: SimpleNamespace(num_documents=300, split="99,0,1"))
+    exec(_cell_with(nb_dir / "02_data_loader.ipynb", "split_document_ranges(paths.num_documents"), env)
+    assert "none" in shown[0]
+    summary = dict(optimizer="adamw", tokens_per_s=1.0, first_valid_loss=None, final_valid_loss=None, iterations=1,
+                   final_train_loss=1.0, checkpoint_path="c")
+    env03 = dict(results=results, run_dir=str(tmp_path), NOTEBOOK="x", timeout_s=1, nproc=1, cfg=None,
+                 training=SimpleNamespace(launch=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True)))
+    exec(_cell_with(nb_dir / "03_training.ipynb", "training.launch(cfg"), env03)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_exercises_that_raise_a_parameter_name_a_new_value(path):
     """'Raise `train_iters` to 200' when the default is already 200 asks for a no-op rerun."""
