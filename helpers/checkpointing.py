@@ -22,9 +22,10 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from helpers import results
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -98,7 +99,7 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = results.mkstemp_readable(path.parent, f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()

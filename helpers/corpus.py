@@ -40,10 +40,11 @@ import os
 import random
 import re
 import sysconfig
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from helpers import results
 
 #: Output key of the loose JSON, as in the guide (``--json-keys content``).
 CONTENT_KEY = "content"
@@ -292,7 +293,7 @@ def write_jsonl(documents: Iterable[Document], path: str | os.PathLike, *, overw
         raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist; create it first")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists: pass overwrite=True, or write to another path")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = results.mkstemp_readable(path.parent, f".{path.name}.", ".tmp")
     count = 0
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

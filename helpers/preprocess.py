@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from helpers import corpus as corpus_mod
+from helpers import results
 from helpers import tokenizer as tokenizer_mod
 
 #: Names inside ``{run_dir}/data`` (the guide's names; see the run-folder layout in the README).
@@ -326,7 +326,7 @@ def _load_manifest(data_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=f".{MANIFEST_NAME}.")
+    fd, tmp = results.mkstemp_readable(data_dir, f".{MANIFEST_NAME}.")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")

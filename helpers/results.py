@@ -77,11 +77,28 @@ def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> 
     summary = load_summary(folder)
     summary.setdefault(notebook, {})[name] = _jsonable(value)
     text = json.dumps(summary, indent=2, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".summary.", suffix=".json")
+    fd, tmp = mkstemp_readable(folder, ".summary.", ".json")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text + "\n")
     os.replace(tmp, folder / SUMMARY_FILE)
     return value
+
+
+def mkstemp_readable(folder: str | os.PathLike, prefix: str, suffix: str = "") -> tuple[int, str]:
+    """``tempfile.mkstemp`` in ``folder`` for an atomic write, with the mode ``open()`` would give.
+
+    mkstemp creates files with mode 0600; after ``os.replace`` the run folder's JSON files
+    would be unreadable to anyone but their writer (a workshop's shared run folder, a
+    container writing as root). This sets 0666 minus the umask, as a plain ``open()`` does.
+
+    Returns:
+        ``(fd, path)`` as ``tempfile.mkstemp``.
+    """
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
 
 
 def figure_path(run_dir: str | os.PathLike, name: str) -> Path:

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -48,3 +49,22 @@ def test_save_figure_writes_png(tmp_path):
     path = results.save_figure(fig, tmp_path, "curve")
     assert path == tmp_path / "figures" / "curve.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_atomic_writes_are_readable_by_others(tmp_path):
+    """mkstemp's 0600 survived os.replace: summary.json, the loose JSON, the data manifest and
+    latest_checkpointed_iteration.txt were unreadable to anyone but their writer."""
+    import stat
+
+    from helpers import checkpointing, corpus, preprocess
+
+    old = os.umask(0o022)
+    try:
+        results.record(tmp_path, "nb", "x", 1)
+        corpus.write_jsonl([corpus.Document("x = 1\n", "a.py")], tmp_path / "c.json")
+        preprocess._write_manifest(tmp_path, {"settings": {}})
+        checkpointing._write_atomic(tmp_path / "t.txt", "1")
+    finally:
+        os.umask(old)
+    for name in (results.SUMMARY_FILE, "c.json", preprocess.MANIFEST_NAME, "t.txt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
