@@ -261,6 +261,9 @@ def collect_corpus(
     else:
         raw = list(read_jsonl(root, text_key, max_files))
         rng.shuffle(raw)
+    if not raw:
+        raise ValueError(f"source={str(root)!r} holds no documents (an empty JSON Lines file): "
+                         "pass a file with one JSON object per line")
     result = CorpusResult(documents=[], num_read=len(raw), source=str(root))
     seen: set[str] = set()
     for text, where in raw:

@@ -173,3 +173,11 @@ def test_write_jsonl_round_trip_and_no_overwrite(tmp_path):
 
 def test_markdown_table():
     assert corpus.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
+
+
+def test_empty_jsonl_says_it_holds_no_documents(tmp_path):
+    """A blank JSON Lines file used to report 'all 0 documents were removed by cleaning'."""
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no documents"):
+        corpus.collect_corpus(path)
