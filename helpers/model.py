@@ -67,6 +67,10 @@ class ModelConfig:
                      "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be a probability in [0, 1) "
+                                 "(the guide used 0.1)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="

@@ -49,6 +49,10 @@ def test_bad_shapes_are_clear_errors():
         model.ModelConfig(seq_length=2048, max_position_embeddings=1024)
     with pytest.raises(ValueError, match="num_attention_heads"):
         model.ModelConfig(hidden_size=100, num_attention_heads=3)
+    with pytest.raises(ValueError, match=r"hidden_dropout=1.5 must be a probability"):
+        model.ModelConfig(hidden_dropout=1.5)  # was accepted; torch failed later inside GPTModel
+    with pytest.raises(ValueError, match=r"attention_dropout=-0.1 must be a probability"):
+        model.ModelConfig(attention_dropout=-0.1)
     with pytest.raises(ValueError, match="unknown ModelConfig keys"):
         model.ModelConfig.from_dict({"num_layer": 2})
     with pytest.raises(KeyError, match="codeparrot-small"):
