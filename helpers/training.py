@@ -213,6 +213,8 @@ class TrainingConfig:
             raise ValueError(f"lr_warmup_iters={self.lr_warmup_iters} must be below lr_decay_iters={self.decay_iters}")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(f"lr_decay_style={self.lr_decay_style!r}: use constant, linear, cosine or inverse-square-root")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive (the peak learning rate, e.g. 2e-3)")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         resolve_precision(self.precision)

@@ -128,6 +128,8 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
         replace(cfg, pipeline_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide num_attention_heads"):
         replace(cfg, tensor_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
+    with pytest.raises(ValueError, match=r"lr=-0.001 must be positive"):  # blamed min_lr before
+        replace(cfg, lr=-1e-3, min_lr=0.0).check()
     with pytest.raises(FileNotFoundError, match="no_such_prefix"):
         replace(cfg, data_prefix=str(tmp_path / "no_such_prefix")).check()
     with pytest.raises(ValueError, match="max_position_embeddings"):
