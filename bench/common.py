@@ -379,3 +379,24 @@ class SideStats:
             "peak_rss_mb": [round(x / 1e6, 1) for x in self.peak_rss_bytes],
             "peak_pss_mb": [round(x / 1e6, 1) for x in self.peak_pss_bytes],
         }
+
+
+#: Prefix of the one line on which a benchmark side (a child process) prints its JSON result.
+RESULT_LINE = "BENCH_RESULT "
+
+
+def emit_result(result: dict) -> None:
+    """Print ``result`` as JSON on a ``BENCH_RESULT`` line (what a side's child process reports)."""
+    print(RESULT_LINE + json.dumps(result), flush=True)
+
+
+def read_result(stdout: str) -> dict:
+    """The JSON a side printed on its ``BENCH_RESULT`` line (the last one wins).
+
+    Raises:
+        ValueError: no such line.
+    """
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_LINE):
+            return json.loads(line[len(RESULT_LINE):])
+    raise ValueError(f"no {RESULT_LINE.strip()} line in the output:\n{stdout[-2000:]}")

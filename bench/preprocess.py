@@ -42,7 +42,6 @@ from bench import common
 
 #: Where each side writes, under ``{run_dir}/bench_preprocess/``.
 OUT_DIR = "bench_preprocess"
-RESULT_LINE = "BENCH_RESULT "
 #: Megatron-LM's tool names its output ``<output-prefix>_<json key>_document``.
 MEGATRON_SUFFIX = "_content_document"
 SIDES = ("ours", "megatron", "gigatoken")
@@ -109,20 +108,7 @@ def parse_megatron_progress(stderr: str) -> tuple[int, float]:
 
 
 # --------------------------------------------------------------------------- the sides, in child processes
-def _emit(result: dict[str, Any]) -> None:
-    print(RESULT_LINE + json.dumps(result), flush=True)
 
-
-def read_result(stdout: str) -> dict[str, Any]:
-    """The JSON a side printed on its ``BENCH_RESULT`` line.
-
-    Raises:
-        ValueError: no such line.
-    """
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT_LINE):
-            return json.loads(line[len(RESULT_LINE):])
-    raise ValueError(f"no {RESULT_LINE.strip()} line in the output:\n{stdout[-2000:]}")
 
 
 def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int) -> None:
@@ -137,7 +123,7 @@ def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int)
     stats = tokenize_to_indexed_dataset(jsonl, tokenizer_dir, output_prefix, num_workers=workers,
                                         overwrite=True, progress=False)
     t2 = time.perf_counter()
-    _emit({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, "num_documents": stats.num_documents,
+    common.emit_result({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, "num_documents": stats.num_documents,
            "num_tokens": stats.num_tokens, "skipped_empty": stats.num_skipped_empty})
 
 
@@ -200,7 +186,7 @@ def _side_gigatoken(jsonl: str, tokenizer_dir: str, output_prefix: str) -> None:
     t1 = time.perf_counter()
     counts = gigatoken_to_indexed_dataset(jsonl, tokenizer_dir, output_prefix)
     t2 = time.perf_counter()
-    _emit({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, **counts})
+    common.emit_result({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, **counts})
 
 
 # --------------------------------------------------------------------------- comparing outputs
@@ -340,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 docs, phase = parse_megatron_progress(m.stderr)
                 info = {"phase_seconds": phase, "num_documents_read": docs}
             else:
-                info = read_result(m.stdout)
+                info = common.read_result(m.stdout)
             stats[side].add(m, info["phase_seconds"])
             extra[side].append(info)
             print(f"  repeat {r}/{args.repeats} {side:<9}: {m.wall_seconds:6.2f} s wall, "

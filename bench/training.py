@@ -48,7 +48,6 @@ from typing import Any
 from bench import common
 
 OUT_DIR = "bench_training"
-RESULT_LINE = "BENCH_RESULT "
 SIDES = ("megatron", "trainer")
 
 #: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs, for MFU. Sources: NVIDIA
@@ -244,20 +243,7 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the benchmark
-def _print_result(result: dict[str, Any]) -> None:
-    print(RESULT_LINE + json.dumps(result), flush=True)
 
-
-def read_result(stdout: str) -> dict[str, Any]:
-    """The JSON a side printed on its ``BENCH_RESULT`` line.
-
-    Raises:
-        ValueError: no such line.
-    """
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT_LINE):
-            return json.loads(line[len(RESULT_LINE):])
-    raise ValueError(f"no {RESULT_LINE.strip()} line in the output:\n{stdout[-2000:]}")
 
 
 def cuda_available() -> bool:
@@ -322,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for side in order:
             m = common.run_measured([sys.executable, "-m", "bench.training", f"_{side}", str(config_path)],
                                     env=env, cwd=common.ROOT, timeout_s=args.timeout_s, what=f"the {side} side")
-            res = read_result(m.stdout)
+            res = common.read_result(m.stdout)
             per_iter = common.median(res["iteration_seconds"])
             stats[side].add(m, per_iter)
             runs[side].append(res | {"wall_seconds": m.wall_seconds, "peak_rss_mb": m.peak_rss_mb})
@@ -390,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("_megatron", "_trainer"):
         opts = json.loads(Path(argv[1]).read_text())
         fn = _side_megatron if argv[0] == "_megatron" else _side_trainer
-        _print_result(fn(opts))
+        common.emit_result(fn(opts))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

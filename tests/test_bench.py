@@ -149,9 +149,9 @@ def test_megatron_command_and_progress_parsing():
 
 
 def test_read_result_and_input_copies(tmp_path):
-    assert bench_pre.read_result('noise\nBENCH_RESULT {"x": 1}\n') == {"x": 1}
+    assert common.read_result('noise\nBENCH_RESULT {"x": 1}\n') == {"x": 1}
     with pytest.raises(ValueError):
-        bench_pre.read_result("nothing")
+        common.read_result("nothing")
     src = tmp_path / "c.json"
     src.write_text('{"content": "a"}\n{"content": "b"}\n')
     assert bench_pre.input_file(src, 1, tmp_path) == src
