@@ -400,3 +400,15 @@ def read_result(stdout: str) -> dict:
         if line.startswith(RESULT_LINE):
             return json.loads(line[len(RESULT_LINE):])
     raise ValueError(f"no {RESULT_LINE.strip()} line in the output:\n{stdout[-2000:]}")
+
+
+def finish(result: dict, json_path, report_text: str) -> int:
+    """A benchmark's last step: write ``result`` as JSON, print the report and where it went.
+
+    Returns 0, the command's exit status.
+    """
+    path = write_json(json_path, result)
+    print()
+    print(report_text)
+    print(f"result: {path}")
+    return 0

@@ -429,11 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     except common.BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    path = common.write_json(args.json or Path(args.run_dir) / "bench_preprocess.json", result)
-    print()
-    print(report(result))
-    print(f"result: {path}")
-    return 0
+    return common.finish(result, args.json or Path(args.run_dir) / "bench_preprocess.json", report(result))
 
 
 if __name__ == "__main__":

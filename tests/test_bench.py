@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -240,3 +241,11 @@ def test_gigatoken_candidate_writes_the_same_files_as_the_series(tmp_path):
     assert counts["num_documents"] == 4
     same = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "giga")
     assert same["documents_with_different_ids"] == 0 and same["bin_identical"] and same["idx_identical"]
+
+
+def test_finish_writes_the_json_and_prints_the_report(tmp_path, capsys):
+    status = common.finish({"ratio": 1.5}, tmp_path / "out" / "r.json", "| ratio | 1.5x |")
+    assert status == 0
+    assert json.loads((tmp_path / "out" / "r.json").read_text()) == {"ratio": 1.5}
+    out = capsys.readouterr().out
+    assert "| ratio | 1.5x |" in out and f"result: {tmp_path / 'out' / 'r.json'}" in out
