@@ -139,8 +139,8 @@ def report() -> list[Component]:
     """What this machine has, one :class:`Component` per line of the report.
 
     Covers Python, torch, CUDA and the GPUs, NCCL and gloo, megatron-core, transformers,
-    NVIDIA Apex (FusedAdam, fused LayerNorm) and Transformer Engine; for each missing piece,
-    the fallback the series uses.
+    gigatoken (the fast tokenizing engine of notebook 01), NVIDIA Apex (FusedAdam, fused
+    LayerNorm) and Transformer Engine; for each missing piece, the fallback the series uses.
     """
     import torch
     import torch.distributed as dist
@@ -162,6 +162,11 @@ def report() -> list[Component]:
     rows.append(Component("megatron-core", mcore is not None, mcore or "-", "-" if mcore else "install requirements.txt"))
     tf = _version("transformers")
     rows.append(Component("transformers", tf is not None, tf or "-", "-" if tf else "install requirements.txt"))
+    from helpers.preprocess import resolve_engine
+
+    giga = _version("gigatoken") if resolve_engine("auto") == "gigatoken" else None
+    rows.append(Component("gigatoken", giga is not None, giga or "-",
+                          "gigatoken (Rust BPE) for .bin/.idx" if giga else "HF tokenizers (slower, byte-identical files)"))
     apex = nvidia_apex()
     rows.append(Component("Apex FusedAdam", apex["FusedAdam"], "apex.optimizers.FusedAdam" if apex["FusedAdam"] else "-",
                           "Apex FusedAdam" if apex["FusedAdam"] else ("torch AdamW(fused=True)")))

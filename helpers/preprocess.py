@@ -1,14 +1,25 @@
 """JSON Lines -> Megatron ``.bin/.idx``, and the cached end-to-end data pipeline.
 
 What Megatron-LM's ``tools/preprocess_data.py`` does, written with megatron-core's own
-``IndexedDatasetBuilder`` (``megatron/core/datasets/indexed_dataset.py``) and HF
-``tokenizers``: read the loose JSON, tokenize every document in parallel workers
-(``--workers``; here threads), append the end-of-document token (``--append-eod``), and write
+``IndexedDatasetBuilder`` (``megatron/core/datasets/indexed_dataset.py``): read the loose
+JSON, tokenize every document in parallel (``--workers``; here threads), append the
+end-of-document token (``--append-eod``), and write
 
 * ``<prefix>.bin``: all token ids, back to back, in the smallest dtype that holds the
   vocabulary (``DType.optimal_dtype``: uint16 below 65,500 entries, else int32);
 * ``<prefix>.idx``: a header, the dtype, the length of every sequence, the byte offset of
   every sequence and the document boundaries.
+
+Two tokenizing engines give byte-identical files from the same ``tokenizer.json``:
+
+* ``"gigatoken"``: the Rust BPE encoder that Megatron-LM's newer
+  ``tools/preprocess_data_fast.py`` uses (PyPI ``gigatoken``, pinned in requirements.txt);
+  it encodes a whole batch of documents on its own thread pool, 15-40x faster than
+  ``"tokenizers"`` here (bench/RESULTS.md);
+* ``"tokenizers"``: Hugging Face ``tokenizers`` in worker threads, what Megatron-LM's
+  ``HuggingFaceTokenizer`` runs inside ``preprocess_data.py``'s worker processes.
+
+``engine="auto"`` (the default) takes gigatoken when it is importable, else tokenizers.
 
 Here every document is one sequence (as with ``--append-eod`` and no sentence splitting).
 Empty documents are skipped and counted (Megatron-LM's newer ``preprocess_data_fast.py``
@@ -22,6 +33,7 @@ can call it and run on their own.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import time
@@ -65,6 +77,35 @@ def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
+#: Tokenizing engines of :func:`tokenize_to_indexed_dataset` (``"auto"`` picks one of the others).
+ENGINES = ("auto", "gigatoken", "tokenizers")
+
+#: Documents per gigatoken call: bounds the memory of one batch and paces the progress bar.
+GIGATOKEN_BATCH_DOCUMENTS = 4096
+
+
+def resolve_engine(engine: str = "auto") -> str:
+    """The tokenizing engine that ``engine`` stands for: ``"gigatoken"`` or ``"tokenizers"``.
+
+    ``"auto"`` is ``"gigatoken"`` when ``gigatoken`` and ``awkward`` (its array library) are
+    importable, else ``"tokenizers"`` (always installed with transformers).
+
+    Raises:
+        ValueError: ``engine`` is not one of :data:`ENGINES`.
+        ModuleNotFoundError: ``engine="gigatoken"`` but it is not installed (the message says
+            how to install it, or to pass ``engine="tokenizers"``).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: use one of {', '.join(map(repr, ENGINES))}")
+    has_gigatoken = all(importlib.util.find_spec(m) is not None for m in ("gigatoken", "awkward"))
+    if engine == "gigatoken" and not has_gigatoken:
+        raise ModuleNotFoundError("engine='gigatoken' needs the packages gigatoken and awkward: "
+                                  "pip install -r requirements.txt (or pass engine='tokenizers')")
+    if engine == "auto":
+        return "gigatoken" if has_gigatoken else "tokenizers"
+    return engine
+
+
 def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:
     for start in range(0, len(items), size):
         yield list(items[start:start + size])
@@ -83,7 +124,8 @@ class PreprocessStats:
         bin_bytes: size of the ``.bin`` file in bytes.
         dtype: numpy dtype name of the stored token ids (``uint16`` or ``int32``).
         seconds: wall time of tokenizing + writing, in seconds.
-        num_workers: worker threads used (0: HF ``tokenizers``' own thread pool).
+        num_workers: worker threads asked for (0: the engine's own thread pool, all cores).
+        engine: the tokenizing engine that ran, ``"gigatoken"`` or ``"tokenizers"``.
     """
 
     prefix: str
@@ -95,6 +137,7 @@ class PreprocessStats:
     dtype: str
     seconds: float
     num_workers: int
+    engine: str = "tokenizers"
 
     @property
     def documents_per_second(self) -> float:
@@ -134,6 +177,7 @@ def tokenize_to_indexed_dataset(
     chunk_size: int = 16,
     overwrite: bool = False,
     progress: bool = True,
+    engine: str = "auto",
 ) -> PreprocessStats:
     """Tokenize a JSON Lines file into Megatron's ``<output_prefix>.bin/.idx``.
 
@@ -150,11 +194,17 @@ def tokenize_to_indexed_dataset(
             written under temporary names and renamed at the end.
         json_key: the key holding the text.
         append_eod: append the EOD token id after each document (the guide's ``--append-eod``).
-        num_workers: tokenizing workers (Megatron's ``--workers``), here threads that each
-            encode whole chunks; ``0`` uses ``tokenizers``' own thread pool instead.
-        chunk_size: documents sent to a worker at a time.
+        num_workers: tokenizing workers (Megatron's ``--workers``), here threads; ``0`` uses
+            the engine's own thread pool over all cores. With gigatoken this sets
+            ``RAYON_NUM_THREADS`` unless it is set already; its thread pool is made once per
+            process, so only the first call in a process decides its size.
+        chunk_size: documents sent to a ``tokenizers`` worker at a time (gigatoken encodes
+            :data:`GIGATOKEN_BATCH_DOCUMENTS` documents per call).
         overwrite: replace an existing ``.bin/.idx``.
         progress: show a tqdm progress bar (documents).
+        engine: ``"auto"``, ``"gigatoken"`` or ``"tokenizers"`` (see :func:`resolve_engine`);
+            both write byte-identical files. A literal ``<|endoftext|>`` inside a document is
+            encoded as text by both, never as the EOD id.
 
     Returns:
         :class:`PreprocessStats` with counts, sizes and wall seconds.
@@ -163,11 +213,13 @@ def tokenize_to_indexed_dataset(
         FileNotFoundError: the input, the tokenizer or the output folder is missing.
         FileExistsError: the outputs exist and ``overwrite`` is False.
         ValueError: a bad JSON Lines line (file and line number named), a non-UTF-8 line,
-            or no non-empty document.
+            no non-empty document, or an unknown ``engine``.
+        ModuleNotFoundError: ``engine="gigatoken"`` and gigatoken is not installed.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm.auto import tqdm
 
+    engine = resolve_engine(engine)
     prefix = _check_prefix(output_prefix, overwrite)
     if not Path(jsonl).is_file():
         raise FileNotFoundError(f"jsonl={str(jsonl)!r} not found: write it first (helpers.corpus.write_jsonl)")
@@ -188,7 +240,9 @@ def tokenize_to_indexed_dataset(
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
         bar = tqdm(total=len(kept), unit="doc", desc="tokenize", disable=not progress)
-        for ids_list in _encoded_chunks(kept, tokenizer_dir, num_workers, chunk_size):
+        encoded = (_gigatoken_chunks(kept, tokenizer_dir, num_workers) if engine == "gigatoken"
+                   else _encoded_chunks(kept, tokenizer_dir, num_workers, chunk_size))
+        for ids_list in encoded:
             for ids in ids_list:
                 if append_eod:
                     ids = np.append(ids, eod)
@@ -206,7 +260,7 @@ def tokenize_to_indexed_dataset(
     return PreprocessStats(
         prefix=str(prefix), num_documents=len(kept), num_skipped_empty=len(texts) - len(kept),
         num_tokens=num_tokens, input_bytes=input_bytes, bin_bytes=Path(f"{prefix}.bin").stat().st_size,
-        dtype=np.dtype(dtype).name, seconds=seconds, num_workers=num_workers,
+        dtype=np.dtype(dtype).name, seconds=seconds, num_workers=num_workers, engine=engine,
     )
 
 
@@ -230,6 +284,31 @@ def _encoded_chunks(texts: list[str], tokenizer_dir, num_workers: int, chunk_siz
         return
     with _tokenizers_parallelism(False), ThreadPoolExecutor(num_workers) as pool:
         yield from pool.map(encode, _chunks(texts, chunk_size))
+
+
+def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iterator[list[np.ndarray]]:
+    """Token ids per document, in input order, from gigatoken, :data:`GIGATOKEN_BATCH_DOCUMENTS` at a time.
+
+    As Megatron-LM's ``tools/preprocess_data_fast.py``: a ``gigatoken.Tokenizer`` built from
+    the folder's ``tokenizer.json`` encodes a batch on its Rust thread pool (GIL released)
+    into one ragged ``awkward`` array, here cut back into one numpy array per document. The
+    tokenizer is built without the file's ``added_tokens``, so a literal ``<|endoftext|>``
+    in a document stays text, as :func:`helpers.tokenizer.load_fast_tokenizer` encodes it
+    (``encode_special_tokens``); with them, gigatoken would turn it into the EOD id.
+    """
+    if num_workers >= 1:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(num_workers))
+    import awkward as ak
+    import gigatoken
+
+    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["added_tokens"] = []
+    tok = gigatoken.Tokenizer.from_json(json.dumps(spec))
+    for chunk in _chunks(texts, GIGATOKEN_BATCH_DOCUMENTS):
+        docs = tok.encode_batch(chunk, parallel=num_workers != 1)
+        flat = np.asarray(ak.flatten(docs)).astype(np.int64)
+        ends = np.cumsum(np.asarray(ak.num(docs, axis=1)))
+        yield np.split(flat, ends[:-1])
 
 
 # --------------------------------------------------------------------------- reading back
@@ -345,6 +424,7 @@ def ensure_data(
     seed: int | None = None,
     progress: bool = True,
     stop_after: str | None = None,
+    engine: str = "auto",
 ) -> DataPaths:
     """Make (or reuse) the whole data stage in ``{run_dir}/data``; idempotent and cached.
 
@@ -367,6 +447,8 @@ def ensure_data(
             the train part only.
         num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
         progress: show progress bars.
+        engine: tokenizing engine, see :func:`tokenize_to_indexed_dataset` (the files do not
+            depend on it, so it is not a data setting; the one that ran is in the manifest).
         stop_after: ``"corpus"`` or ``"tokenizer"`` to run only up to that step (notebook 01
             shows the steps one at a time); ``None`` runs them all.
 
@@ -382,6 +464,7 @@ def ensure_data(
 
     if stop_after not in (None, "corpus", "tokenizer"):
         raise ValueError(f"stop_after={stop_after!r}: use 'corpus', 'tokenizer' or None")
+    resolve_engine(engine)
     # Check the settings later steps use before anything is written: a bad one found only at
     # the tokenizer step would leave a manifest that refuses the corrected rerun.
     if vocab_size is not None and vocab_size < tokenizer_mod.MIN_VOCAB_SIZE:
@@ -431,7 +514,7 @@ def ensure_data(
         built.append("tokenizer")
     if stop_after is None and not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
         stats = tokenize_to_indexed_dataset(jsonl, tok_dir, prefix, num_workers=num_workers,
-                                            progress=progress, overwrite=True)
+                                            progress=progress, overwrite=True, engine=engine)
         manifest["preprocess"] = asdict(stats) | {"tokens_per_second": stats.tokens_per_second,
                                                   "documents_per_second": stats.documents_per_second,
                                                   "megabytes_per_second": stats.megabytes_per_second}
@@ -492,10 +575,12 @@ def ensure_corpus_dataset(
     seed: int = 1234,
     num_workers: int = 2,
     progress: bool = True,
+    engine: str = "auto",
 ) -> CorpusDataset:
     """Clean ``source`` and tokenize it into ``{run_dir}/data/<name>_content_document.bin/.idx``.
 
-    Cached like :func:`ensure_data` (skipped when the ``.bin/.idx`` exist); the tokenizer is
+    Cached like :func:`ensure_data` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
+    :func:`tokenize_to_indexed_dataset`); the tokenizer is
     the run's own (``{run_dir}/data/tokenizer``, made by :func:`ensure_data` if missing)
     unless ``tokenizer_dir`` is given, so the corpora can be blended.
 
@@ -513,7 +598,8 @@ def ensure_corpus_dataset(
         return CorpusDataset(jsonl, prefix, len(open_indexed_dataset(prefix)), {}, False)
     result = corpus_mod.collect_corpus(source, text_key=text_key, max_files=max_files, seed=seed)
     corpus_mod.write_jsonl(result.documents, jsonl, overwrite=True)
-    tokenize_to_indexed_dataset(jsonl, tokenizer_dir, prefix, num_workers=num_workers, progress=progress, overwrite=True)
+    tokenize_to_indexed_dataset(jsonl, tokenizer_dir, prefix, num_workers=num_workers, progress=progress,
+                                overwrite=True, engine=engine)
     return CorpusDataset(jsonl, prefix, len(result.documents), dict(result.removed), True)
 
 

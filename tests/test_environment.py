@@ -74,7 +74,8 @@ def test_unrelated_pypi_apex_is_not_mistaken_for_nvidia_apex(tmp_path, monkeypat
 def test_report_names_a_fallback_for_every_missing_component():
     rows = environment.report()
     names = [r.name for r in rows]
-    for needed in ("torch", "CUDA", "NCCL", "gloo", "megatron-core", "transformers", "Apex FusedAdam", "Transformer Engine"):
+    for needed in ("torch", "CUDA", "NCCL", "gloo", "megatron-core", "transformers", "gigatoken", "Apex FusedAdam",
+                   "Transformer Engine"):
         assert needed in names
     for r in rows:
         if not r.found:

@@ -46,10 +46,62 @@ def test_bin_idx_round_trip(small, tmp_path):
 
 def test_workers_give_identical_files(small, tmp_path):
     _, jsonl, tok_dir, _ = small
-    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w0", num_workers=0, progress=False)
-    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w2", num_workers=2, chunk_size=3, progress=False)
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w0", num_workers=0, progress=False,
+                                           engine="tokenizers")
+    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "w2", num_workers=2, chunk_size=3, progress=False,
+                                           engine="tokenizers")
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"w0{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
+
+
+def _files(prefix):
+    return [open(f"{prefix}{ext}", "rb").read() for ext in (".bin", ".idx")]
+
+
+@pytest.fixture
+def tricky(small, tmp_path):
+    """The small corpus plus documents that tokenizers treat specially, and one empty document."""
+    _, _, tok_dir, texts = small
+    extra = ["s = '<|endoftext|>'  # a literal EOD string inside code\n", "", "π = 3.14159  # naïve unicode 🙂\n",
+             "\t\r\n  \n", "x" * 5000]
+    jsonl = tmp_path / "tricky.json"
+    jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in extra[:2] + texts + extra[2:]))
+    return jsonl, tok_dir, [t for t in extra[:2] + texts + extra[2:] if t]
+
+
+@pytest.mark.skipif(preprocess.resolve_engine() != "gigatoken", reason="gigatoken is not installed (requirements.txt pins it)")
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_gigatoken_writes_the_same_files_as_tokenizers(tricky, tmp_path, monkeypatch, num_workers):
+    jsonl, tok_dir, kept = tricky
+    monkeypatch.setattr(preprocess, "GIGATOKEN_BATCH_DOCUMENTS", 7)  # several batches, the last one short
+    ref = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "ref", progress=False, engine="tokenizers")
+    fast = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "fast", num_workers=num_workers,
+                                                  progress=False, engine="gigatoken")
+    assert (ref.engine, fast.engine) == ("tokenizers", "gigatoken")
+    assert _files(tmp_path / "fast") == _files(tmp_path / "ref")
+    assert (fast.num_documents, fast.num_skipped_empty, fast.num_tokens) == (len(kept), 1, ref.num_tokens)
+    ds = preprocess.open_indexed_dataset(tmp_path / "fast")
+    literal = ds[0].tolist()
+    assert literal[-1] == 0 and 0 not in literal[:-1], "a literal <|endoftext|> must stay text, not become EOD"
+    fast_tok = tokenizer.load_fast_tokenizer(tok_dir)
+    assert [preprocess.decode_document(ds, i, tok_dir, tokenizer=fast_tok) for i in range(len(ds))] == kept
+
+
+def test_auto_engine_and_bad_engine(small, tmp_path, monkeypatch):
+    _, jsonl, tok_dir, _ = small
+    with pytest.raises(ValueError, match=r"engine='rust': use one of 'auto', 'gigatoken', 'tokenizers'"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False, engine="rust")
+    with pytest.raises(ValueError, match=r"engine='rust'"):
+        preprocess.ensure_data(tmp_path / "run", engine="rust")
+    assert list(tmp_path.iterdir()) == []
+    real_find_spec = preprocess.importlib.util.find_spec
+    monkeypatch.setattr(preprocess.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gigatoken" else real_find_spec(name, *a))
+    assert preprocess.resolve_engine("auto") == "tokenizers"
+    with pytest.raises(ModuleNotFoundError, match=r"pip install -r requirements.txt \(or pass engine='tokenizers'\)"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False, engine="gigatoken")
+    stats = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False)
+    assert stats.engine == "tokenizers" and (tmp_path / "x.bin").is_file()
 
 
 def test_large_vocab_uses_int32(small, tmp_path, monkeypatch):
