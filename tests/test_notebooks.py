@@ -8,7 +8,7 @@ import re
 import nbformat
 import pytest
 
-from helpers import series
+from helpers import preprocess, series
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -161,3 +161,14 @@ def test_00_environment_results(series_run):
     assert s["allreduce_ranks_ok"] == 2
     assert s["found_torch"] is True and s["found_megatron-core"] is True
     assert s["device"] in ("cpu", "cuda")
+
+
+@pytest.mark.slow
+def test_01_data_results(series_run):
+    _, _, summary = series_run
+    s = summary["01_data_preprocessing"]
+    assert 0 < s["num_documents"] <= 150 and s["read_back_documents"] == s["num_documents"]
+    assert s["round_trip_failures"] == 0
+    assert s["num_tokens"] > s["num_documents"] and s["bin_bytes"] == 2 * s["num_tokens"]
+    assert s["engines_identical"] is True
+    assert ("gigatoken_speedup" in s) == (preprocess.resolve_engine() == "gigatoken")
