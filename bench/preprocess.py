@@ -4,16 +4,15 @@ Both sides read the same JSON Lines file, use the same tokenizer folder (``vocab
 ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``), the same number of workers,
 ``--append-eod``, and write Megatron's ``<prefix>.bin/.idx``:
 
-* ``ours``: :func:`helpers.preprocess.tokenize_to_indexed_dataset` (HF ``tokenizers`` batch
-  encoding in worker threads + megatron-core ``IndexedDatasetBuilder``), in a fresh process
-  of this interpreter;
+* ``ours``: :func:`helpers.preprocess.tokenize_to_indexed_dataset` as the series runs it
+  (``engine="auto"``: the Rust ``gigatoken`` encoder that Megatron-LM's newer
+  ``tools/preprocess_data_fast.py`` uses, + megatron-core ``IndexedDatasetBuilder``), in a
+  fresh process of this interpreter;
+* ``ours_tokenizers``: the same function with ``engine="tokenizers"`` (HF ``tokenizers`` in
+  worker threads), the series' fallback engine, which shows what the engine itself gains;
 * ``megatron``: ``tools/preprocess_data.py`` of a Megatron-LM checkout (worker processes,
   ``--tokenizer-type HuggingFaceTokenizer``), run with its own Python (>= 3.12, see
-  ``bench/README.md``). Megatron-LM is not a dependency of the series: pass its path;
-* ``gigatoken`` (optional, ``--gigatoken``): what Megatron-LM's newer
-  ``tools/preprocess_data_fast.py`` does, encoding the whole file with the Rust ``gigatoken``
-  tokenizer, then the same ``IndexedDatasetBuilder``. It is measured to show what would
-  reach the 3x target; it is not part of ``helpers`` (yet).
+  ``bench/README.md``). Megatron-LM is not a dependency of the series: pass its path.
 
 For each side: wall time of the whole process (imports included), the time of the
 tokenizing phase alone, documents/s, tokens/s and peak memory of the process tree; the
@@ -44,7 +43,9 @@ from bench import common
 OUT_DIR = "bench_preprocess"
 #: Megatron-LM's tool names its output ``<output-prefix>_<json key>_document``.
 MEGATRON_SUFFIX = "_content_document"
-SIDES = ("ours", "megatron", "gigatoken")
+SIDES = ("ours", "ours_tokenizers", "megatron")
+#: The ``engine`` of :func:`helpers.preprocess.tokenize_to_indexed_dataset` each of our sides runs.
+ENGINE_OF = {"ours": "auto", "ours_tokenizers": "tokenizers"}
 #: The oldest Python Megatron-LM's tools import under (``typing.override``, requires-python).
 MEGATRON_MIN_PYTHON = (3, 12)
 
@@ -111,82 +112,24 @@ def parse_megatron_progress(stderr: str) -> tuple[int, float]:
 
 
 
-def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int) -> None:
+def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int, engine: str) -> None:
     t0 = time.perf_counter()
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported inside the call: keep it out of the phase)
-    import tokenizers  # noqa: F401
     import tqdm.auto  # noqa: F401
 
-    from helpers.preprocess import tokenize_to_indexed_dataset
+    from helpers.preprocess import resolve_engine, tokenize_to_indexed_dataset
 
+    if resolve_engine(engine) == "gigatoken":
+        import awkward  # noqa: F401
+        import gigatoken  # noqa: F401
+    else:
+        import tokenizers  # noqa: F401
     t1 = time.perf_counter()
     stats = tokenize_to_indexed_dataset(jsonl, tokenizer_dir, output_prefix, num_workers=workers,
-                                        overwrite=True, progress=False)
+                                        overwrite=True, progress=False, engine=engine)
     t2 = time.perf_counter()
     common.emit_result({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, "num_documents": stats.num_documents,
-           "num_tokens": stats.num_tokens, "skipped_empty": stats.num_skipped_empty})
-
-
-def gigatoken_to_indexed_dataset(jsonl: str | os.PathLike, tokenizer_dir: str | os.PathLike,
-                                 output_prefix: str | os.PathLike, *, json_key: str = "content",
-                                 append_eod: bool = True) -> dict[str, int]:
-    """Tokenize ``jsonl`` with ``gigatoken`` into ``<output_prefix>.bin/.idx`` (candidate for helpers).
-
-    As Megatron-LM's ``tools/preprocess_data_fast.py``: ``gigatoken.Tokenizer`` built from
-    the folder's ``tokenizer.json`` encodes the whole file (``encode_files``, Rust threads:
-    ``RAYON_NUM_THREADS`` sets their number), then megatron-core's ``IndexedDatasetBuilder``
-    writes one sequence per document with the EOD id appended. Two differences from the fast
-    tool keep the output byte-identical to :func:`helpers.preprocess.tokenize_to_indexed_dataset`:
-    empty documents are skipped, and the tokenizer is built without its ``added_tokens``, so a
-    literal ``<|endoftext|>`` inside a document is encoded as text (what
-    :func:`helpers.tokenizer.load_fast_tokenizer` does with ``encode_special_tokens``;
-    gigatoken and Megatron-LM's ``HuggingFaceTokenizer`` would turn it into the EOD id).
-
-    Returns:
-        ``{"num_documents", "num_tokens", "skipped_empty"}``.
-
-    Raises:
-        ModuleNotFoundError: ``gigatoken``/``awkward`` are not installed (``pip install gigatoken``).
-    """
-    import awkward as ak
-    import gigatoken
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    from helpers import tokenizer as tokenizer_mod
-
-    vocab_size = tokenizer_mod.vocab_size_of(tokenizer_dir)
-    eod = tokenizer_mod.eod_id(tokenizer_dir)
-    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    spec["added_tokens"] = []  # a literal "<|endoftext|>" in a document stays text, as in helpers.tokenizer
-    tok = gigatoken.Tokenizer.from_json(json.dumps(spec))
-    docs = tok.encode_files(gigatoken.JsonlFileSource([str(jsonl)], field=json_key), parallel=True)
-    dtype = DType.optimal_dtype(vocab_size)
-    flat = np.asarray(ak.flatten(docs)).astype(dtype, copy=False)
-    offsets = np.concatenate([[0], np.cumsum(np.asarray(ak.num(docs, axis=1)))])
-    builder = IndexedDatasetBuilder(f"{output_prefix}.bin", dtype=dtype)
-    eod_arr = np.array([eod], dtype=dtype)
-    kept = tokens = 0
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end == start:
-            continue
-        ids = np.concatenate([flat[start:end], eod_arr]) if append_eod else flat[start:end]
-        builder.add_document(ids, [len(ids)])
-        kept, tokens = kept + 1, tokens + len(ids)
-    builder.finalize(f"{output_prefix}.idx")
-    return {"num_documents": kept, "num_tokens": tokens, "skipped_empty": len(offsets) - 1 - kept}
-
-
-def _side_gigatoken(jsonl: str, tokenizer_dir: str, output_prefix: str) -> None:
-    t0 = time.perf_counter()
-    import awkward  # noqa: F401
-    import gigatoken  # noqa: F401
-    import megatron.core.datasets.indexed_dataset  # noqa: F401
-
-    t1 = time.perf_counter()
-    counts = gigatoken_to_indexed_dataset(jsonl, tokenizer_dir, output_prefix)
-    t2 = time.perf_counter()
-    common.emit_result({"import_seconds": t1 - t0, "phase_seconds": t2 - t1, **counts})
+                        "num_tokens": stats.num_tokens, "skipped_empty": stats.num_skipped_empty, "engine": stats.engine})
 
 
 # --------------------------------------------------------------------------- comparing outputs
@@ -205,7 +148,8 @@ def compare_indexed_datasets(prefix_a: str | os.PathLike, prefix_b: str | os.Pat
         ``{"bin_identical", "idx_identical"}`` (byte-identical files), ``"documents"``
         (``[n_a, n_b]``), ``"tokens"`` (``[n_a, n_b]``), ``"dtype"`` (``[a, b]``),
         ``"documents_with_different_ids"`` (count over the common documents, compared as
-        integer sequences) and ``"first_different_document"`` (index or ``None``).
+        integer sequences), ``"first_different_document"`` (index or ``None``) and
+        ``"different_documents"`` (the indices of the first 100).
 
     Raises:
         FileNotFoundError: a ``.bin`` or ``.idx`` is missing.
@@ -226,11 +170,13 @@ def compare_indexed_datasets(prefix_a: str | os.PathLike, prefix_b: str | os.Pat
     def document(ds, bounds, i):
         return np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])] or [np.zeros(0, np.int64)]).astype(np.int64)
 
-    different, first = 0, None
+    different, first, listed = 0, None, []
     for i in range(min(n_a, n_b)):
         if not np.array_equal(document(a, docs_a, i), document(b, docs_b, i)):
             different += 1
             first = i if first is None else first
+            if len(listed) < 100:
+                listed.append(i)
     return {
         "bin_identical": same["bin"], "idx_identical": same["idx"],
         "documents": [int(n_a), int(n_b)],
@@ -238,7 +184,42 @@ def compare_indexed_datasets(prefix_a: str | os.PathLike, prefix_b: str | os.Pat
         "dtype": [np.dtype(a.index.dtype).name, np.dtype(b.index.dtype).name],
         "documents_with_different_ids": different + abs(n_a - n_b),
         "first_different_document": first if first is not None else (min(n_a, n_b) if n_a != n_b else None),
+        "different_documents": listed,
     }
+
+
+def literal_eod_explains(jsonl: str | os.PathLike, tokenizer_dir: str | os.PathLike, prefix: str | os.PathLike,
+                         documents: Sequence[int], json_key: str = "content") -> dict[str, int]:
+    """How many of ``documents`` of ``<prefix>.bin/.idx`` differ from the series *only* because
+    their text holds a literal ``<|endoftext|>``.
+
+    Megatron-LM's tools encode with transformers' ``tokenize``, which turns a literal
+    ``<|endoftext|>`` inside a document into the EOD id; the series encodes it as text (see
+    :func:`helpers.tokenizer.load_fast_tokenizer`). For each listed document this re-encodes
+    the text the Megatron-LM way (HF ``tokenizers`` with special tokens recognised, EOD
+    appended) and checks that it equals the stored ids.
+
+    Returns:
+        ``{"checked", "with_literal_eod", "explained"}``: documents checked, how many hold
+        the literal, and how many equal the Megatron-LM-style encoding exactly.
+    """
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from helpers import corpus, tokenizer
+
+    texts = [t for t in corpus.read_contents(jsonl, json_key) if t]
+    tok = tokenizer.load_fast_tokenizer(tokenizer_dir)
+    tok.encode_special_tokens = False  # recognise "<|endoftext|>" in the text, as Megatron-LM's tools do
+    eod = tokenizer.eod_id(tokenizer_dir)
+    ds = IndexedDataset(str(prefix))
+    bounds = np.asarray(ds.document_indices)
+    with_literal = explained = 0
+    for i in documents:
+        with_literal += tokenizer.EOD_TOKEN in texts[i]
+        stored = np.concatenate([ds[j] for j in range(bounds[i], bounds[i + 1])]).astype(np.int64).tolist()
+        explained += stored == tok.encode(texts[i]).ids + [eod]
+    return {"checked": len(documents), "with_literal_eod": int(with_literal), "explained": int(explained)}
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -270,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the preprocessing benchmark (see the module docstring); returns the result dict."""
     from helpers.preprocess import ensure_data
 
-    sides = ["ours", "megatron"] + (["gigatoken"] if args.gigatoken else [])
+    sides = list(SIDES)
     tool = check_megatron_checkout(args.megatron_lm)
     version = common.python_version_of(args.megatron_python)
     if version < MEGATRON_MIN_PYTHON:
@@ -279,38 +260,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"tools import typing.override and need Python >= {MEGATRON_MIN_PYTHON[0]}.{MEGATRON_MIN_PYTHON[1]}. "
             "Make the venv of bench/README.md."
         )
-    if args.gigatoken:
-        import importlib.util
-
-        if importlib.util.find_spec("gigatoken") is None or importlib.util.find_spec("awkward") is None:
-            raise SystemExit("error: --gigatoken needs `gigatoken` and `awkward` importable here "
-                             "(pip install gigatoken==0.10.0, or PYTHONPATH=<its --target folder>; see bench/README.md)")
     run_dir = Path(args.run_dir).expanduser().resolve()
-    paths = ensure_data(run_dir, stop_after="tokenizer", progress=False)
+    paths = ensure_data(run_dir, stop_after="tokenizer", progress=False, source=args.source,
+                        max_files=args.max_files)
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     jsonl = input_file(paths.jsonl, args.corpus_copies, out)
     tok = paths.tokenizer_dir
     prefixes = {"ours": out / "ours" / "codeparrot_content_document",
-                "megatron": out / "megatron" / "codeparrot",
-                "gigatoken": out / "gigatoken" / "codeparrot_content_document"}
-    outputs = {"ours": prefixes["ours"], "megatron": Path(str(prefixes["megatron"]) + MEGATRON_SUFFIX),
-               "gigatoken": prefixes["gigatoken"]}
+                "ours_tokenizers": out / "ours_tokenizers" / "codeparrot_content_document",
+                "megatron": out / "megatron" / "codeparrot"}
+    outputs = {"ours": prefixes["ours"], "ours_tokenizers": prefixes["ours_tokenizers"],
+               "megatron": Path(str(prefixes["megatron"]) + MEGATRON_SUFFIX)}
     for side in sides:
         shutil.rmtree(prefixes[side].parent, ignore_errors=True)
         prefixes[side].parent.mkdir(parents=True)
     threads = str(args.workers)
-    commands = {
-        "ours": [sys.executable, "-m", "bench.preprocess", "_ours", str(jsonl), str(tok), str(prefixes["ours"]), threads],
-        "megatron": megatron_command(args.megatron_python, tool, jsonl, tok, prefixes["megatron"], args.workers),
-        "gigatoken": [sys.executable, "-m", "bench.preprocess", "_gigatoken", str(jsonl), str(tok), str(prefixes["gigatoken"])],
-    }
+    commands = {side: [sys.executable, "-m", "bench.preprocess", "_ours", str(jsonl), str(tok), str(prefixes[side]),
+                       threads, engine] for side, engine in ENGINE_OF.items()}
+    commands["megatron"] = megatron_command(args.megatron_python, tool, jsonl, tok, prefixes["megatron"], args.workers)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    envs = {
-        "ours": common.child_env(offline),
-        "megatron": common.child_env(offline, drop=("PYTHONPATH", "VIRTUAL_ENV")),
-        "gigatoken": common.child_env(offline | {"RAYON_NUM_THREADS": threads}),
-    }
+    # RAYON_NUM_THREADS (gigatoken's pool) is left to helpers.preprocess, which sets it to --workers.
+    envs = {side: common.child_env(offline, drop=("RAYON_NUM_THREADS",)) for side in ENGINE_OF}
+    envs["megatron"] = common.child_env(offline, drop=("PYTHONPATH", "VIRTUAL_ENV"))
     machine = common.machine_info()
     print(f"input: {jsonl} ({jsonl.stat().st_size / 1e6:.1f} MB, corpus x{args.corpus_copies}); "
           f"tokenizer {tok}; {args.workers} workers; load average {machine['load_average']}", flush=True)
@@ -329,10 +301,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 info = common.read_result(m.stdout)
             stats[side].add(m, info["phase_seconds"])
             extra[side].append(info)
-            print(f"  repeat {r}/{args.repeats} {side:<9}: {m.wall_seconds:6.2f} s wall, "
+            print(f"  repeat {r}/{args.repeats} {side:<15}: {m.wall_seconds:6.2f} s wall, "
                   f"{info['phase_seconds']:6.2f} s tokenizing, peak RSS {m.peak_rss_mb:7.0f} MB, "
                   f"PSS {m.peak_pss_mb:7.0f} MB", flush=True)
     comparisons = {side: compare_indexed_datasets(outputs["ours"], outputs[side]) for side in sides if side != "ours"}
+    for side, c in comparisons.items():
+        if c["different_documents"]:
+            c["literal_eod"] = literal_eod_explains(jsonl, tok, outputs[side], c["different_documents"])
     load_after = common.load_average()
     return summarize(sides, stats, extra, comparisons, machine, load_after, args, jsonl, outputs)
 
@@ -356,6 +331,7 @@ def summarize(sides: Sequence[str], stats: dict[str, common.SideStats], extra: d
             "tokens_per_second_wall": n_tokens / s["wall_seconds_median"],
             "tokens_per_second_phase": n_tokens / s["phase_seconds_median"],
             "documents_per_second_phase": n_docs / s["phase_seconds_median"],
+            "engine": extra[side][0].get("engine", "HF tokenizers in worker processes") if extra[side] else None,
         }
     ref = rows["megatron"]
     for side in sides:
@@ -363,7 +339,8 @@ def summarize(sides: Sequence[str], stats: dict[str, common.SideStats], extra: d
         rows[side]["speedup_phase_vs_megatron"] = common.ratio(ref["phase_seconds_median"], rows[side]["phase_seconds_median"])
     return {
         "benchmark": "preprocess", "machine": machine, "load_average_after": load_after,
-        "input": {"path": str(jsonl), "bytes": jsonl.stat().st_size, "corpus_copies": args.corpus_copies},
+        "input": {"path": str(jsonl), "bytes": jsonl.stat().st_size, "corpus_copies": args.corpus_copies,
+                  "source": args.source or "standard library", "max_files": args.max_files},
         "workers": args.workers, "repeats": args.repeats, "sides": rows, "outputs_vs_ours": comparisons,
         "raw": extra,
     }
@@ -371,11 +348,12 @@ def summarize(sides: Sequence[str], stats: dict[str, common.SideStats], extra: d
 
 def report(result: dict[str, Any]) -> str:
     """The result as markdown: one row per side, then the output comparison."""
-    names = {"ours": "series (helpers.preprocess)", "megatron": "Megatron-LM tools/preprocess_data.py",
-             "gigatoken": "gigatoken (candidate)"}
+    names = {"ours": "series (helpers.preprocess, engine={engine})",
+             "ours_tokenizers": "series, engine={engine} (fallback)",
+             "megatron": "Megatron-LM tools/preprocess_data.py"}
     rows = []
     for side, r in result["sides"].items():
-        rows.append([names[side], r["wall_seconds_median"], r["documents_per_second_wall"], r["tokens_per_second_wall"],
+        rows.append([names[side].format(engine=r.get("engine")), r["wall_seconds_median"], r["documents_per_second_wall"], r["tokens_per_second_wall"],
                      r["phase_seconds_median"], r["tokens_per_second_phase"], r["peak_rss_mb_median"],
                      r["peak_pss_mb_median"], f"{r['speedup_wall_vs_megatron']:.2f}x", f"{r['speedup_phase_vs_megatron']:.2f}x"])
     table = common.markdown_table(
@@ -383,13 +361,21 @@ def report(result: dict[str, Any]) -> str:
          "peak RSS MB", "peak PSS MB", "speed-up (wall)", "speed-up (tokenizing)"], rows)
     checks = []
     for side, c in result["outputs_vs_ours"].items():
-        checks.append([f"{names[side]} vs series", f"{c['documents'][1]} / {c['documents'][0]}",
+        checks.append([f"{names[side].format(engine=result['sides'][side].get('engine'))} vs series", f"{c['documents'][1]} / {c['documents'][0]}",
                        f"{c['tokens'][1]} / {c['tokens'][0]}", c["documents_with_different_ids"],
                        "yes" if c["bin_identical"] else "no", "yes" if c["idx_identical"] else "no"])
     table2 = common.markdown_table(["outputs", "documents", "tokens", "documents with different ids",
                                     ".bin identical", ".idx identical"], checks)
+    for side, c in result["outputs_vs_ours"].items():
+        if "literal_eod" in c:
+            e = c["literal_eod"]
+            table2 += (f"\n\n{names[side].format(engine=result['sides'][side].get('engine'))}: of the {e['checked']} "
+                       f"different documents checked, {e['with_literal_eod']} hold a literal `<|endoftext|>` and "
+                       f"{e['explained']} equal the series' encoding with that literal turned into the EOD id "
+                       "(what Megatron-LM's tools do; the series keeps it as text).")
     inp = result["input"]
-    head = (f"Input: {inp['bytes'] / 1e6:.1f} MB of JSON Lines (corpus x{inp['corpus_copies']}), "
+    head = (f"Input: {inp['bytes'] / 1e6:.1f} MB of JSON Lines from {inp.get('source', 'standard library')} "
+            f"(corpus x{inp['corpus_copies']}), "
             f"{result['workers']} workers, {result['repeats']} interleaved repeats, medians. "
             f"Load average before {result['machine']['load_average']}, after {result['load_average_after']}.")
     return f"{head}\n\n{table}\n\n{table2}\n"
@@ -398,10 +384,7 @@ def report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_ours":
-        _side_ours(argv[1], argv[2], argv[3], int(argv[4]))
-        return 0
-    if argv and argv[0] == "_gigatoken":
-        _side_gigatoken(argv[1], argv[2], argv[3])
+        _side_ours(argv[1], argv[2], argv[3], int(argv[4]), argv[5])
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.preprocess", description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"),
@@ -410,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="Python >= 3.12 with Megatron-LM's tool requirements (default: $MEGATRON_PYTHON)")
     parser.add_argument("--run-dir", default=str(common.ROOT / "runs" / "bench"),
                         help="run folder whose data/ holds (or will hold) the corpus and tokenizer")
+    parser.add_argument("--source", default=None,
+                        help="corpus: a folder of .py files or a JSON Lines file (default: this machine's standard "
+                             "library); a run folder keeps the corpus it was first made with")
+    parser.add_argument("--max-files", type=int, default=None, help="read at most this many files of --source")
     parser.add_argument("--workers", type=int, default=2, help="workers of both tools (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per side (default 3)")
     parser.add_argument("--corpus-copies", type=int, default=1, help="repeat the corpus N times (default 1)")
-    parser.add_argument("--gigatoken", action="store_true", help="also measure the gigatoken candidate")
     parser.add_argument("--timeout-s", type=float, default=240.0, help="limit per process run, seconds")
     parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_preprocess.json)")
     args = parser.parse_args(argv)

@@ -226,9 +226,7 @@ def test_count_pip_sources():
     assert bench_series.count_pip_sources(out) == {"cached": 2, "downloaded": 1, "local": 1}
 
 
-def test_gigatoken_candidate_writes_the_same_files_as_the_series(tmp_path):
-    pytest.importorskip("gigatoken", reason="gigatoken is optional (bench/README.md): pip install gigatoken==0.10.0")
-    pytest.importorskip("awkward", reason="gigatoken needs awkward")
+def test_our_two_sides_name_their_engine_and_write_the_same_files(tmp_path, capsys):
     from helpers import corpus, preprocess, tokenizer
 
     texts = ["def f(x):\n    return x + 1\n", "s = '<|endoftext|>'  # a literal EOD string\n",
@@ -236,11 +234,32 @@ def test_gigatoken_candidate_writes_the_same_files_as_the_series(tmp_path):
     tok_dir = tokenizer.train_tokenizer(texts * 5, tmp_path / "tok", vocab_size=300)
     jsonl = tmp_path / "c.json"
     corpus.write_jsonl([corpus.Document(t, f"{i}.py") for i, t in enumerate(texts)], jsonl)
-    preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "ours", progress=False)
-    counts = bench_pre.gigatoken_to_indexed_dataset(jsonl, tok_dir, tmp_path / "giga")
-    assert counts["num_documents"] == 4
-    same = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "giga")
+    info = {}
+    for side, engine in bench_pre.ENGINE_OF.items():
+        assert bench_pre.main(["_ours", str(jsonl), str(tok_dir), str(tmp_path / side), "2", engine]) == 0
+        info[side] = common.read_result(capsys.readouterr().out)
+    assert info["ours"]["engine"] == preprocess.resolve_engine("auto")
+    assert info["ours_tokenizers"]["engine"] == "tokenizers"
+    assert info["ours"]["num_documents"] == 4 and info["ours"]["num_tokens"] == info["ours_tokenizers"]["num_tokens"]
+    same = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "ours_tokenizers")
     assert same["documents_with_different_ids"] == 0 and same["bin_identical"] and same["idx_identical"]
+
+    # Megatron-LM's tools turn the literal "<|endoftext|>" of document 1 into the EOD id: write
+    # that encoding, plus a document 3 that differs for another reason, and check the diagnosis.
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    mlm = tokenizer.load_fast_tokenizer(tok_dir)
+    mlm.encode_special_tokens = False
+    builder = IndexedDatasetBuilder(str(tmp_path / "mlm.bin"), dtype=DType.optimal_dtype(300))
+    for i, t in enumerate(texts):
+        ids = mlm.encode(t).ids + [0]
+        builder.add_document(np.array(ids if i != 3 else ids[1:]), [len(ids) - (i == 3)])
+    builder.finalize(str(tmp_path / "mlm.idx"))
+    diff = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "mlm")
+    assert diff["different_documents"] == [1, 3] and diff["documents_with_different_ids"] == 2
+    assert bench_pre.literal_eod_explains(jsonl, tok_dir, tmp_path / "mlm", diff["different_documents"]) == {
+        "checked": 2, "with_literal_eod": 1, "explained": 1}
 
 
 def test_finish_writes_the_json_and_prints_the_report(tmp_path, capsys):
