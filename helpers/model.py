@@ -22,6 +22,10 @@ from typing import Any
 GELU_HF_NAME = {"erf": "gelu", "tanh": "gelu_new"}
 
 
+#: Attention kernels of the local layer spec (see ``ModelConfig.core_attention``).
+CORE_ATTENTIONS = ("sdpa", "unfused")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and numerics of a GPT-2-style megatron-core ``GPTModel``.
@@ -43,6 +47,11 @@ class ModelConfig:
             ``F.gelu``, the exact **erf** GELU.
         masked_softmax_fusion, bias_dropout_fusion: megatron-core fusion flags (work on CPU).
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
+        core_attention: the attention kernel of the local layer spec: ``"sdpa"`` (torch's
+            fused ``scaled_dot_product_attention``, :class:`helpers.attention.SDPAttention`) or ``"unfused"``
+            (megatron-core's ``DotProductAttention``: scores, mask, softmax, dropout and the
+            value product as separate ops). Ignored by the Transformer Engine spec, which
+            has fused attention of its own.
     """
 
     num_layers: int = 4
@@ -61,8 +70,12 @@ class ModelConfig:
     masked_softmax_fusion: bool = False
     bias_dropout_fusion: bool = False
     share_embeddings_and_output_weights: bool = True
+    core_attention: str = "sdpa"
 
     def __post_init__(self) -> None:
+        if self.core_attention not in CORE_ATTENTIONS:
+            raise ValueError(f"ModelConfig.core_attention={self.core_attention!r}: choose one of "
+                             f"{', '.join(map(repr, CORE_ATTENTIONS))}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"):
             if int(getattr(self, name)) < 1:
@@ -304,8 +317,9 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
         precision: see :func:`transformer_config`.
         pre_process, post_process: this rank holds the embedding / the output layer;
             default: first / last pipeline stage.
-        layer_spec: ``"local"`` (megatron-core modules only), ``"te"`` (Transformer Engine)
-            or ``"auto"`` (TE when importable).
+        layer_spec: ``"local"`` (megatron-core's torch modules, with ``cfg.core_attention``
+            as the attention kernel), ``"te"`` (Transformer Engine) or ``"auto"`` (TE when
+            importable).
 
     Returns:
         ``megatron.core.models.gpt.GPTModel``; ``model(tokens [b, s] int64, position_ids [b, s],
@@ -338,6 +352,10 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
     if use_te and not transformer_engine_available():
         raise ValueError("layer_spec='te' but Transformer Engine is not importable; use 'local'")
     spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
+    if not use_te and cfg.core_attention == "sdpa":
+        from helpers.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -1,0 +1,135 @@
+"""Core attention for megatron-core's local layer spec: torch's fused SDPA, and how it compares.
+
+megatron-core 0.16.1 has two core-attention modules: ``DotProductAttention``
+(``megatron/core/transformer/dot_product_attention.py``), which computes attention op by op
+(``baddbmm`` for the scores, the mask, softmax, dropout, ``bmm`` with the values), and
+Transformer Engine's fused attention, which needs TE and a GPU. :class:`SDPAttention` is the
+first module computed by one call of ``torch.nn.functional.scaled_dot_product_attention``
+(Vaswani et al. 2017 for the math; Dao et al. 2022, *FlashAttention*, for the fused,
+memory-saving kernel), so the local spec gets a fused attention on any device.
+:func:`benchmark_core_attention` times both on a model's shapes (notebook 04).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+#: The two modules :func:`benchmark_core_attention` compares, by ``ModelConfig.core_attention`` name.
+MODULES = {"unfused": DotProductAttention}
+
+
+class SDPAttention(DotProductAttention):
+    """megatron-core's ``DotProductAttention`` computed by ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Same module, parameters, checkpoint keys and math as the parent
+    (softmax(Q K^T x scale + mask) V, scale 1/sqrt(head dim), dropout on the probabilities);
+    only the kernel differs: one fused call instead of ``baddbmm``, mask fill, softmax,
+    dropout and ``bmm``, which never keeps the ``[b, heads, s, s]`` score and probability
+    matrices for the backward pass.
+
+    Shapes: ``query/key/value [s, b, heads/TP, head_dim]`` (fp32, bf16 or fp16) ->
+    ``[s, b, hidden/TP]``; ``attention_mask`` ``None`` (causal) or bool ``[b or 1, 1, s, s]``,
+    True where attention is forbidden (megatron's convention). Cases the fused call would
+    treat differently (a query length other than the key length, a learnable softmax
+    offset, an attention bias, packed sequences, query-key layer scaling, sliding windows,
+    no mask with a non-causal mask type) run the parent's unfused code.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if (query.size(0) != key.size(0) or attention_bias is not None or packed_seq_params is not None
+                or getattr(self, "softmax_offset", None) is not None
+                or self.config.apply_query_key_layer_scaling or self.config.window_size is not None
+                or (attention_mask is None and mask_type != AttnMaskType.causal)):
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        sq, b, heads, head_dim = query.shape
+        groups = heads // key.size(2)
+        if groups > 1:  # grouped-query attention: repeat the key/value heads, as the parent does
+            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, head_dim]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        # megatron's mask is True where attention is forbidden; SDPA's boolean mask is True where allowed
+        kwargs = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask.bool()}
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, scale=self.softmax_scale, **kwargs)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+MODULES["sdpa"] = SDPAttention
+
+
+@dataclass
+class AttentionBenchmark:
+    """What :func:`benchmark_core_attention` measured.
+
+    Attributes:
+        shape: ``(seq, micro_batch, heads, head_dim)`` of query, key and value.
+        timings: ``{"unfused" | "sdpa": helpers.fusion.Timing}``, seconds per forward + backward.
+        max_abs_diff: largest difference between the two, over the output and the three input gradients.
+        score_matrix_bytes: bytes of one ``[b, heads, s, s]`` matrix in the dtype used; the
+            unfused module keeps two of them (scores and probabilities) for the backward pass.
+    """
+
+    shape: tuple[int, int, int, int]
+    timings: dict[str, Any]
+    max_abs_diff: float
+    score_matrix_bytes: int
+
+    @property
+    def speedup(self) -> float:
+        """Median time of the unfused module over SDPA's (> 1: SDPA is faster)."""
+        return self.timings["unfused"].median_s / self.timings["sdpa"].median_s
+
+
+def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "cpu",
+                             dtype: torch.dtype = torch.float32, warmup: int = 3, repeats: int = 15,
+                             seed: int = 1234) -> AttentionBenchmark:
+    """Time forward + backward of both core-attention modules at ``cfg``'s shapes (causal, no dropout).
+
+    Args:
+        cfg: a :class:`helpers.model.ModelConfig` (heads, width, sequence length).
+        micro_batch_size: sequences per call.
+        device, dtype: where and in what precision (bf16 needs CUDA).
+        warmup, repeats: see :func:`helpers.fusion.time_calls` (interleaved repeats).
+        seed: of the random query, key, value and output gradient.
+
+    Returns:
+        :class:`AttentionBenchmark`.
+
+    Raises:
+        ValueError: see :func:`helpers.fusion.time_calls` and :func:`helpers.model.transformer_config`.
+    """
+    from helpers import fusion, model
+
+    heads = cfg.num_attention_heads
+    shape = (cfg.seq_length, micro_batch_size, heads, cfg.hidden_size // heads)
+    with fusion.single_process_model_parallel(seed):
+        config = model.transformer_config(cfg, precision="fp32")
+        mods = {name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                          attention_type="self").to(device) for name, cls in MODULES.items()}
+        gen = torch.Generator().manual_seed(seed)
+        qkv = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+        grad_out = torch.randn(shape[0], shape[1], shape[2] * shape[3], generator=gen).to(device=device, dtype=dtype)
+
+        def step(name: str) -> list[torch.Tensor]:
+            q, k, v = (t.detach().requires_grad_() for t in qkv)
+            out = mods[name](q, k, v, None)
+            out.backward(grad_out)
+            return [out.detach(), q.grad, k.grad, v.grad]
+
+        results = {name: step(name) for name in mods}
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["unfused"], results["sdpa"]))
+        timings = fusion.time_calls({name: (lambda n=name: step(n)) for name in mods}, device=device,
+                                    warmup=warmup, repeats=repeats)
+    b, s = micro_batch_size, cfg.seq_length
+    return AttentionBenchmark(shape=shape, timings=timings, max_abs_diff=diff,
+                              score_matrix_bytes=b * heads * s * s * torch.tensor([], dtype=dtype).element_size())
