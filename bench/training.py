@@ -12,6 +12,10 @@ and hands it to every run:
 * ``megatron``: :func:`helpers.training.setup` + :func:`helpers.training.train_step` (GPTModel
   with the local layer spec, megatron-core DDP, ``get_forward_backward_func`` schedule,
   ``OptimizerParamScheduler``), the loop notebook 03 runs;
+* ``megatron_unfused`` (with ``--with-unfused-attention``): the same loop with megatron-core's
+  own op-by-op ``DotProductAttention`` (``core_attention="unfused"``) instead of the series'
+  default fused SDPA attention (:class:`helpers.attention.SDPAttention`), to show what the
+  kernel choice is worth in a whole step;
 * ``trainer``: ``transformers.Trainer`` + ``GPT2LMHeadModel`` (``sdpa`` attention by
   default, ``--hf-attention eager`` for the unfused path), the labels given as
   ``shift_labels`` so both sides predict the same ``seq_length`` tokens per sample.
@@ -48,7 +52,7 @@ from typing import Any
 from bench import common
 
 OUT_DIR = "bench_training"
-SIDES = ("megatron", "trainer")
+SIDES = ("megatron", "megatron_unfused", "trainer")
 
 #: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs, for MFU. Sources: NVIDIA
 #: data sheets (A100: 312 TFLOP/s; H100/H200 SXM: 989 TFLOP/s; H100 PCIe: 756; L40S: 362).
@@ -133,13 +137,15 @@ def _set_threads(threads: int) -> None:
 
 
 # --------------------------------------------------------------------------- the two sides (child processes)
-def _side_megatron(opts: dict[str, Any]) -> dict[str, Any]:
+def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> dict[str, Any]:
     import torch
 
     from helpers import training
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
+    if core_attention is not None:
+        cfg = replace(cfg, model=replace(cfg.model, core_attention=core_attention))
     t0 = time.perf_counter()
     trainer = training.setup(cfg)
     setup_s = time.perf_counter() - t0
@@ -160,7 +166,8 @@ def _side_megatron(opts: dict[str, Any]) -> dict[str, Any]:
     return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]),
             "losses": losses, "parameters": n_params, "precision": trainer.precision,
             "optimizer": trainer.optimizer_name, "gpu_peak_allocated_bytes": gpu_peak,
-            "implementation": f"megatron-core GPTModel ({getattr(trainer.bare_model, 'layer_spec_name', '?')} spec)"}
+            "implementation": f"megatron-core GPTModel ({getattr(trainer.bare_model, 'layer_spec_name', '?')} spec, "
+                              f"{cfg.model.core_attention} attention)"}
 
 
 class _ShiftedGPTDataset:
@@ -302,9 +309,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"micro-batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size} ({tokens_per_iter} tokens/iteration); "
           f"{opts['iters']} iterations ({opts['warmup']} warm-up) per run, {args.threads} threads; "
           f"load average {machine['load_average']}", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-    stats = {side: common.SideStats(side) for side in SIDES}
-    for r, order in enumerate(common.interleaved_orders(list(SIDES), args.repeats), 1):
+    active = [side for side in SIDES if side != "megatron_unfused" or args.with_unfused_attention]
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in active}
+    stats = {side: common.SideStats(side) for side in active}
+    for r, order in enumerate(common.interleaved_orders(active, args.repeats), 1):
         for side in order:
             m = common.run_measured([sys.executable, "-m", "bench.training", f"_{side}", str(config_path)],
                                     env=env, cwd=common.ROOT, timeout_s=args.timeout_s, what=f"the {side} side")
@@ -312,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_iter = common.median(res["iteration_seconds"])
             stats[side].add(m, per_iter)
             runs[side].append(res | {"wall_seconds": m.wall_seconds, "peak_rss_mb": m.peak_rss_mb})
-            print(f"  repeat {r}/{args.repeats} {side:<8}: {per_iter:.3f} s/iteration "
+            print(f"  repeat {r}/{args.repeats} {side:<16}: {per_iter:.3f} s/iteration "
                   f"({tokens_per_iter / per_iter:,.0f} tokens/s), loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}, "
                   f"set-up {res['setup_seconds']:.1f} s, process {m.wall_seconds:.1f} s, peak RSS {m.peak_rss_mb:.0f} MB",
                   flush=True)
@@ -321,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fpt = flops_per_token(cfg.model)
     peak = peak_flops(torch.cuda.get_device_name(), args.peak_tflops) if args.device == "cuda" else None
     sides = {}
-    for side in SIDES:
+    for side in active:
         s = stats[side].summary()
         all_iters = [x for run_ in runs[side] for x in run_["iteration_seconds"]]
         s_per_iter = common.median(all_iters)
@@ -347,6 +355,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
         "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
                                                                       sides["trainer"]["tokens_per_second"]),
+        "speedup_tokens_per_second_megatron_unfused_vs_trainer": common.ratio(
+            sides["megatron_unfused"]["tokens_per_second"], sides["trainer"]["tokens_per_second"])
+        if "megatron_unfused" in sides else None,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak_flops": peak,
     }
 
@@ -368,15 +379,21 @@ def report(result: dict[str, Any]) -> str:
             f"{o['threads']} threads. Load average before {result['machine']['load_average']}, "
             f"after {result['load_average_after']}.")
     ratio = result["speedup_tokens_per_second_megatron_vs_trainer"]
-    return f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x**\n"
+    text = f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x**\n"
+    unfused = result.get("speedup_tokens_per_second_megatron_unfused_vs_trainer")
+    if unfused is not None:
+        text += f"megatron-core with its unfused attention / Trainer tokens/s: {unfused:.2f}x\n"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("_megatron", "_trainer"):
+    if argv and argv[0] in ("_megatron", "_megatron_unfused", "_trainer"):
         opts = json.loads(Path(argv[1]).read_text())
-        fn = _side_megatron if argv[0] == "_megatron" else _side_trainer
-        common.emit_result(fn(opts))
+        if argv[0] == "_trainer":
+            common.emit_result(_side_trainer(opts))
+        else:
+            common.emit_result(_side_megatron(opts, "unfused" if argv[0] == "_megatron_unfused" else None))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -391,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side (default 2)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
                         help="GPT2LMHeadModel attention (default sdpa, what transformers picks)")
+    parser.add_argument("--with-unfused-attention", action="store_true",
+                        help="also run the megatron-core loop with megatron's unfused DotProductAttention")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--timeout-s", type=float, default=280.0, help="limit per run, seconds")
     parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_training.json)")
