@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Packages whose versions every result file records.
 VERSIONED_PACKAGES: tuple[str, ...] = (
-    "torch", "megatron-core", "transformers", "tokenizers", "accelerate", "numpy", "psutil",
+    "torch", "megatron-core", "transformers", "tokenizers", "gigatoken", "accelerate", "numpy", "psutil",
 )
 
 
