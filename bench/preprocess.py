@@ -404,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_preprocess.json)")
     args = parser.parse_args(argv)
     if args.megatron_python is None:
+        if args.megatron_lm is None:
+            parser.error("--megatron-lm PATH (a Megatron-LM checkout) and --megatron-python PYTHON (a Python >= 3.12 "
+                         "with its tool's requirements) are required: Megatron-LM is not a dependency of the series; "
+                         "bench/README.md has the exact steps")
         parser.error("--megatron-python is required (a Python >= 3.12 prepared as in bench/README.md)")
     if args.workers < 1:
         parser.error(f"--workers={args.workers} must be >= 1")

@@ -38,7 +38,9 @@ class SDPAttention(DotProductAttention):
     True where attention is forbidden (megatron's convention). Cases the fused call would
     treat differently (a query length other than the key length, a learnable softmax
     offset, an attention bias, packed sequences, query-key layer scaling, sliding windows,
-    no mask with a non-causal mask type) run the parent's unfused code.
+    no mask with a non-causal mask type, a mask that hides every key from some query, where
+    the parent's -10000 fill spreads that query's attention evenly) run the parent's
+    unfused code.
     """
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -47,7 +49,8 @@ class SDPAttention(DotProductAttention):
         if (query.size(0) != key.size(0) or attention_bias is not None or packed_seq_params is not None
                 or getattr(self, "softmax_offset", None) is not None
                 or self.config.apply_query_key_layer_scaling or self.config.window_size is not None
-                or (attention_mask is None and mask_type != AttnMaskType.causal)):
+                or (attention_mask is None and mask_type != AttnMaskType.causal)
+                or (attention_mask is not None and bool(attention_mask.all(dim=-1).any()))):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params)
         sq, b, heads, head_dim = query.shape
@@ -55,7 +58,7 @@ class SDPAttention(DotProductAttention):
         if groups > 1:  # grouped-query attention: repeat the key/value heads, as the parent does
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, head_dim]
-        dropout_p = self.config.attention_dropout if self.training else 0.0
+        dropout_p = self.attention_dropout.p if self.training else 0.0  # the parent's Dropout: config or override
         # megatron's mask is True where attention is forbidden; SDPA's boolean mask is True where allowed
         kwargs = {"is_causal": True} if attention_mask is None else {"attn_mask": ~attention_mask.bool()}
         with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -98,7 +101,8 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
     Args:
         cfg: a :class:`helpers.model.ModelConfig` (heads, width, sequence length).
         micro_batch_size: sequences per call.
-        device, dtype: where and in what precision (bf16 needs CUDA).
+        device, dtype: where and in what precision (notebook 04 uses bf16 on CUDA, fp32 on a
+            CPU, where bf16 runs but is slow).
         warmup, repeats: see :func:`helpers.fusion.time_calls` (interleaved repeats).
         seed: of the random query, key, value and output gradient.
 
@@ -106,9 +110,13 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
         :class:`AttentionBenchmark`.
 
     Raises:
-        ValueError: see :func:`helpers.fusion.time_calls` and :func:`helpers.model.transformer_config`.
+        ValueError: ``micro_batch_size < 1``; see also :func:`helpers.fusion.time_calls` and
+            :func:`helpers.model.transformer_config`.
     """
     from helpers import fusion, model
+
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size}: pass at least 1 sequence per call")
 
     heads = cfg.num_attention_heads
     shape = (cfg.seq_length, micro_batch_size, heads, cfg.hidden_size // heads)

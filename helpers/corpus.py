@@ -186,8 +186,9 @@ def read_jsonl(path: str | os.PathLike, text_key: str = CONTENT_KEY, max_docs: i
     Blank lines are skipped. Reads at most ``max_docs`` documents.
 
     Raises:
-        ValueError: a line is not JSON, not an object, lacks ``text_key`` or its value is
-            not a string (the message names the file and the 1-based line number).
+        ValueError: a line is not JSON, not an object, lacks ``text_key``, or its value is
+            not a string or holds an unpaired surrogate escape such as ``"\\ud800"`` (the
+            message names the file and the 1-based line number).
     """
     with open(path, "rb") as f:
         count = 0
@@ -211,11 +212,18 @@ def read_jsonl(path: str | os.PathLike, text_key: str = CONTENT_KEY, max_docs: i
             if text_key not in record:
                 raise ValueError(
                     f"{where}: line {number} has no key {text_key!r} (keys: {sorted(record)}); "
-                    f"pass text_key= one of those keys"
+                    f"pass one of those keys as the text key (text_key=, or json_key= in helpers.preprocess)"
                 )
             text = record[text_key]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: line {number}: {text_key!r} is a {type(text).__name__}, not a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(
+                    f"{where}: line {number}: {text_key!r} holds an unpaired surrogate ({err.object[err.start:err.end]!r} "
+                    f"at character {err.start}), which is not text UTF-8 can store; fix or remove that line"
+                ) from None
             yield text, where
 
 

@@ -196,8 +196,8 @@ def tokenize_to_indexed_dataset(
         append_eod: append the EOD token id after each document (the guide's ``--append-eod``).
         num_workers: tokenizing workers (Megatron's ``--workers``), here threads; ``0`` uses
             the engine's own thread pool over all cores. With gigatoken this sets
-            ``RAYON_NUM_THREADS`` unless it is set already; its thread pool is made once per
-            process, so only the first call in a process decides its size.
+            ``RAYON_NUM_THREADS`` during the call unless it is set already; its thread pool
+            is made once per process, so only the first call in a process decides its size.
         chunk_size: documents sent to a ``tokenizers`` worker at a time (gigatoken encodes
             :data:`GIGATOKEN_BATCH_DOCUMENTS` documents per call).
         overwrite: replace an existing ``.bin/.idx``.
@@ -296,8 +296,6 @@ def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iter
     in a document stays text, as :func:`helpers.tokenizer.load_fast_tokenizer` encodes it
     (``encode_special_tokens``); with them, gigatoken would turn it into the EOD id.
     """
-    if num_workers >= 1:
-        os.environ.setdefault("RAYON_NUM_THREADS", str(num_workers))
     import awkward as ak
     import gigatoken
 
@@ -305,10 +303,29 @@ def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iter
     spec["added_tokens"] = []
     tok = gigatoken.Tokenizer.from_json(json.dumps(spec))
     for chunk in _chunks(texts, GIGATOKEN_BATCH_DOCUMENTS):
-        docs = tok.encode_batch(chunk, parallel=num_workers != 1)
+        with _rayon_threads(num_workers):
+            docs = tok.encode_batch(chunk, parallel=num_workers != 1)
         flat = np.asarray(ak.flatten(docs)).astype(np.int64)
         ends = np.cumsum(np.asarray(ak.num(docs, axis=1)))
         yield np.split(flat, ends[:-1])
+
+
+@contextlib.contextmanager
+def _rayon_threads(num_workers: int) -> Iterator[None]:
+    """``RAYON_NUM_THREADS=num_workers`` for the block unless already set (0: leave rayon's default).
+
+    gigatoken's Rust thread pool reads it once, when its first parallel call starts the pool;
+    the variable is restored afterwards so that it does not cap other Rust libraries (HF
+    ``tokenizers`` has a pool of its own) for the rest of the process.
+    """
+    if num_workers < 1 or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(num_workers)
+    try:
+        yield
+    finally:
+        os.environ.pop("RAYON_NUM_THREADS", None)
 
 
 # --------------------------------------------------------------------------- reading back

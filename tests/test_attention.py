@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import attention, model
 
 
@@ -15,6 +17,8 @@ def test_benchmark_core_attention_measures_both_and_they_agree():
     assert 0 <= bench.max_abs_diff < 1e-5
     assert bench.score_matrix_bytes == 2 * 4 * 32 * 32 * 4
     assert bench.speedup == bench.timings["unfused"].median_s / bench.timings["sdpa"].median_s
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        attention.benchmark_core_attention(cfg, 0)
 
 
 def test_every_core_attention_name_has_a_module():

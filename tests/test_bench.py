@@ -168,6 +168,10 @@ def test_preprocess_cli_says_when_megatron_lm_is_absent(tmp_path, capsys):
     assert code == 2
     assert "not a Megatron-LM checkout" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing was made before the check
+    with pytest.raises(SystemExit):
+        bench_pre.main(["--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "--megatron-lm PATH (a Megatron-LM checkout) and --megatron-python PYTHON" in err
 
 
 # --------------------------------------------------------------------------- training

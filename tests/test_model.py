@@ -165,8 +165,15 @@ def test_sdpa_attention_masks_and_fallbacks(dist1):
         for mask in (None, causal, random_mask):
             ref = DotProductAttention.forward(core, q, k, v, mask if mask is not None else causal)
             assert torch.allclose(core(q, k, v, mask), ref, atol=1e-5)
+        blind = random_mask.clone()
+        blind[0, 0, 5] = True  # query 5 of sequence 0 may see no key: the parent's -10000 fill decides
+        assert torch.allclose(core(q, k, v, blind), DotProductAttention.forward(core, q, k, v, blind), atol=1e-6)
         shorter = DotProductAttention.forward(core, q[-4:], k, v, causal[..., -4:, :])
         assert torch.allclose(core(q[-4:], k, v, causal[..., -4:, :]), shorter, atol=1e-6)
+    core.attention_dropout.p = 0.5  # an override given to the constructor lands here, in the parent's Dropout
+    core.train()
+    assert not torch.allclose(core(q, k, v, None), core(q, k, v, None))
+    core.attention_dropout.p = 0.0
     with pytest.raises(ValueError, match=r"core_attention='flash': choose one of 'sdpa', 'unfused'"):
         model.ModelConfig(**TINY, core_attention="flash")
 

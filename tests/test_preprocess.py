@@ -74,10 +74,12 @@ def tricky(small, tmp_path):
 def test_gigatoken_writes_the_same_files_as_tokenizers(tricky, tmp_path, monkeypatch, num_workers):
     jsonl, tok_dir, kept = tricky
     monkeypatch.setattr(preprocess, "GIGATOKEN_BATCH_DOCUMENTS", 7)  # several batches, the last one short
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
     ref = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "ref", progress=False, engine="tokenizers")
     fast = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "fast", num_workers=num_workers,
                                                   progress=False, engine="gigatoken")
     assert (ref.engine, fast.engine) == ("tokenizers", "gigatoken")
+    assert "RAYON_NUM_THREADS" not in os.environ, "the thread setting must not outlive the call"
     assert _files(tmp_path / "fast") == _files(tmp_path / "ref")
     assert (fast.num_documents, fast.num_skipped_empty, fast.num_tokens) == (len(kept), 1, ref.num_tokens)
     ds = preprocess.open_indexed_dataset(tmp_path / "fast")
@@ -137,6 +139,15 @@ def test_bad_json_line_leaves_nothing_behind(small, tmp_path):
     with pytest.raises(ValueError, match=r"bad\.json:2: line 2 is not valid JSON"):
         preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["bad.json"]
+
+
+def test_unpaired_surrogate_is_named_with_its_line(small, tmp_path):
+    _, _, tok_dir, _ = small
+    jsonl = tmp_path / "s.json"
+    jsonl.write_text('{"content": "a = 1"}\n{"content": "b = \\ud800"}\n')
+    with pytest.raises(ValueError, match=r"s\.json:2: line 2: 'content' holds an unpaired surrogate"):
+        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
 
 
 def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
