@@ -132,22 +132,17 @@ def test_missing_output_folder_and_no_overwrite(small, tmp_path):
     assert _mtimes(tmp_path) == before
 
 
-def test_bad_json_line_leaves_nothing_behind(small, tmp_path):
+@pytest.mark.parametrize("second_line, message", [
+    ('{"content": oops}', r"bad\.json:2: line 2 is not valid JSON"),
+    ('{"content": "b = \\ud800"}', r"bad\.json:2: line 2: 'content' holds an unpaired surrogate"),
+], ids=["not-json", "unpaired-surrogate"])
+def test_bad_json_line_is_named_and_leaves_nothing_behind(small, tmp_path, second_line, message):
     _, _, tok_dir, _ = small
     jsonl = tmp_path / "bad.json"
-    jsonl.write_text('{"content": "a = 1"}\n{"content": oops}\n')
-    with pytest.raises(ValueError, match=r"bad\.json:2: line 2 is not valid JSON"):
+    jsonl.write_text('{"content": "a = 1"}\n' + second_line + "\n")
+    with pytest.raises(ValueError, match=message):
         preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["bad.json"]
-
-
-def test_unpaired_surrogate_is_named_with_its_line(small, tmp_path):
-    _, _, tok_dir, _ = small
-    jsonl = tmp_path / "s.json"
-    jsonl.write_text('{"content": "a = 1"}\n{"content": "b = \\ud800"}\n')
-    with pytest.raises(ValueError, match=r"s\.json:2: line 2: 'content' holds an unpaired surrogate"):
-        preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "doc", progress=False)
-    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
 
 
 def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
