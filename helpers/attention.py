@@ -20,10 +20,6 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-#: The two modules :func:`benchmark_core_attention` compares, by ``ModelConfig.core_attention`` name.
-MODULES = {"unfused": DotProductAttention}
-
-
 class SDPAttention(DotProductAttention):
     """megatron-core's ``DotProductAttention`` computed by ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -67,7 +63,8 @@ class SDPAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
 
-MODULES["sdpa"] = SDPAttention
+#: The two modules :func:`benchmark_core_attention` compares, by ``ModelConfig.core_attention`` name.
+MODULES = {"unfused": DotProductAttention, "sdpa": SDPAttention}
 
 
 @dataclass

@@ -64,17 +64,38 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 
 # --------------------------------------------------------------------------- tokenizing workers
 @contextlib.contextmanager
-def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
-    """Set ``TOKENIZERS_PARALLELISM`` for the block (HF tokenizers reads it at every call)."""
-    old = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if enabled else "false"
+def _environ(name: str, value: str | None, *, keep_existing: bool = False) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then the old state back.
+
+    ``value=None``, or ``keep_existing`` with ``name`` already set, leaves the variable alone.
+    """
+    old = os.environ.get(name)
+    if value is None or (keep_existing and old is not None):
+        yield
+        return
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["TOKENIZERS_PARALLELISM"] = old
+            os.environ[name] = old
+
+
+def _tokenizers_parallelism(enabled: bool):
+    """Set ``TOKENIZERS_PARALLELISM`` for the block (HF tokenizers reads it at every call)."""
+    return _environ("TOKENIZERS_PARALLELISM", "true" if enabled else "false")
+
+
+def _rayon_threads(num_workers: int):
+    """``RAYON_NUM_THREADS=num_workers`` for the block unless already set (0: leave rayon's default).
+
+    gigatoken's Rust thread pool reads it once, when its first parallel call starts the pool;
+    the variable is restored afterwards so that it does not cap other Rust libraries (HF
+    ``tokenizers`` has a pool of its own) for the rest of the process.
+    """
+    return _environ("RAYON_NUM_THREADS", str(num_workers) if num_workers >= 1 else None, keep_existing=True)
 
 
 #: Tokenizing engines of :func:`tokenize_to_indexed_dataset` (``"auto"`` picks one of the others).
@@ -308,24 +329,6 @@ def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iter
         flat = np.asarray(ak.flatten(docs)).astype(np.int64)
         ends = np.cumsum(np.asarray(ak.num(docs, axis=1)))
         yield np.split(flat, ends[:-1])
-
-
-@contextlib.contextmanager
-def _rayon_threads(num_workers: int) -> Iterator[None]:
-    """``RAYON_NUM_THREADS=num_workers`` for the block unless already set (0: leave rayon's default).
-
-    gigatoken's Rust thread pool reads it once, when its first parallel call starts the pool;
-    the variable is restored afterwards so that it does not cap other Rust libraries (HF
-    ``tokenizers`` has a pool of its own) for the rest of the process.
-    """
-    if num_workers < 1 or "RAYON_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["RAYON_NUM_THREADS"] = str(num_workers)
-    try:
-        yield
-    finally:
-        os.environ.pop("RAYON_NUM_THREADS", None)
 
 
 # --------------------------------------------------------------------------- reading back
