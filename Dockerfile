@@ -1,11 +1,12 @@
 # The series inside NVIDIA's NGC PyTorch container, which brings CUDA, cuDNN, NCCL, Apex and
 # Transformer Engine with a matched torch build. `make install-ngc` installs the project's pins
-# except torch, so the container's own torch (and its Apex/TE) stays in place.
-ARG NGC_TAG=25.10-py3
+# except torch and whatever the container's pip constraint file pins, so its own builds stay.
+ARG NGC_TAG=26.09-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 WORKDIR /workspace/megatron-gpt-notebooks
 COPY requirements.txt pyproject.toml Makefile README.md ./
 COPY helpers/ helpers/
+COPY tools/ tools/
 RUN make install-ngc
 COPY . .
 EXPOSE 8888

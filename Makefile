@@ -1,20 +1,35 @@
 # The two set-up commands (README quick start):  make tutorial   |   make test
-PYTHON ?= python3
+# PYTHON: the interpreter to build .venv with (3.12 or 3.13); empty = tools/find-python searches.
+PYTHON ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Extra arguments for the series runner, e.g. make tutorial ARGS="--profile cpu -p train_iters=500"
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc
+.PHONY: install tutorial test lab clean-runs install-ngc venv-python
 
-$(VENV)/.installed: requirements.txt pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
+# (one left from the 3.11 series is refused, not touched); a missing one is created with the
+# interpreter tools/find-python picks, or make stops with its message and creates nothing.
+venv-python:
+	@if [ -x $(PY) ]; then \
+	    v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	    case "$$v" in 3.12|3.13) ;; *) \
+	        echo "$(VENV) was made with Python $$v; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
+	        echo "Remove it and rerun: rm -rf $(VENV) && make $(MAKECMDGOALS)" >&2; exit 1;; esac; \
+	else \
+	    py=$$(PYTHON="$(PYTHON)" tools/find-python) || exit 1; \
+	    echo "Creating $(VENV) with $$py ($$($$py --version))"; \
+	    $$py -m venv $(VENV); \
+	fi
+
+$(VENV)/.installed: requirements.txt pyproject.toml | venv-python
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
 	@touch $@
 
-install: $(VENV)/.installed
+install: venv-python $(VENV)/.installed
 
 tutorial: install
 	$(PY) -m helpers.series run $(ARGS)
@@ -25,12 +40,14 @@ test: install
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/
 
-# Inside NVIDIA's NGC PyTorch container: keep the container's torch (and its Apex / Transformer
-# Engine builds); install everything else from the same pins, into the container's Python.
+# Inside NVIDIA's NGC PyTorch container (26.09: Python 3.12): keep the container's torch (and its
+# Apex / Transformer Engine builds) and every package its pip constraint file (PIP_CONSTRAINT)
+# pins; install the rest of the same pins into the container's Python.
 install-ngc:
-	grep -v '^torch==' requirements.txt > /tmp/requirements-ngc.txt
-	pip install -r /tmp/requirements-ngc.txt
-	pip install --no-deps -e .
+	@PYTHON=python tools/find-python >/dev/null
+	python tools/ngc_requirements.py requirements.txt > /tmp/requirements-ngc.txt
+	python -m pip install -r /tmp/requirements-ngc.txt
+	python -m pip install --no-deps -e .
 
 clean-runs:
 	rm -rf runs/

@@ -21,7 +21,7 @@ of every document, and whether the ``.bin`` and ``.idx`` files are byte-identica
 
 Run (from the repository root)::
 
-    python -m bench.preprocess --megatron-lm /tmp/megatron-lm --megatron-python /tmp/mlm-venv/bin/python
+    python -m bench.preprocess --megatron-lm /tmp/megatron-lm --megatron-python .venv/bin/python
 """
 
 from __future__ import annotations
@@ -282,7 +282,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     # RAYON_NUM_THREADS (gigatoken's pool) is left to helpers.preprocess, which sets it to --workers.
     envs = {side: common.child_env(offline, drop=("RAYON_NUM_THREADS",)) for side in ENGINE_OF}
-    envs["megatron"] = common.child_env(offline, drop=("PYTHONPATH", "VIRTUAL_ENV"))
+    # Megatron-LM's tool runs with the megatron-core of its own commit, not with a wheel the
+    # Python may have installed (the tool only appends the checkout to sys.path): the checkout
+    # comes first on PYTHONPATH, whatever the Python.
+    envs["megatron"] = common.child_env({**offline, "PYTHONPATH": str(tool.parent.parent)}, drop=("VIRTUAL_ENV",))
     machine = common.machine_info()
     print(f"input: {jsonl} ({jsonl.stat().st_size / 1e6:.1f} MB, corpus x{args.corpus_copies}); "
           f"tokenizer {tok}; {args.workers} workers; load average {machine['load_average']}", flush=True)

@@ -1,6 +1,6 @@
 """Core attention for megatron-core's local layer spec: torch's fused SDPA, and how it compares.
 
-megatron-core 0.16.1 has two core-attention modules: ``DotProductAttention``
+megatron-core 0.19.2 has two core-attention modules: ``DotProductAttention``
 (``megatron/core/transformer/dot_product_attention.py``), which computes attention op by op
 (``baddbmm`` for the scores, the mask, softmax, dropout, ``bmm`` with the values), and
 Transformer Engine's fused attention, which needs TE and a GPU. :class:`SDPAttention` is the

@@ -3,7 +3,7 @@
 Layout, as Megatron-LM writes it (``megatron/training/checkpointing.py``)::
 
     checkpoints/latest_checkpointed_iteration.txt   # "300", written atomically after a save
-    checkpoints/iter_0000300/                        # torch_dist: *.distcp shards, common.pt, metadata
+    checkpoints/iter_0000300/                        # torch_dist: *.distcp shards, .metadata, metadata.json
     checkpoints/iter_0000300/model_config.json       # this series: the model shape for converters
 
 A checkpoint holds the model, the optimizer (sharded like the parameters it belongs to),

@@ -40,7 +40,7 @@ The checks that prove the conversion (:func:`compare_logits`, :func:`validation_
 :func:`greedy_generate_megatron`) run megatron-core's own ``GPTModel`` next to the
 transformers model on the same token ids.
 
-Sources: megatron-core 0.16.1 ``models/gpt/gpt_model.py``, ``transformer/attention.py``,
+Sources: megatron-core 0.19.2 ``models/gpt/gpt_model.py``, ``transformer/attention.py``,
 ``models/gpt/gpt_layer_specs.py`` (``sharded_state_dict_keys_map``),
 ``dist_checkpointing/serialization.py`` (``load_tensors_metadata``, ``load``);
 transformers ``models/gpt2/modeling_gpt2.py``; the legacy converter
@@ -59,7 +59,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -729,9 +728,7 @@ def read_checkpoint_tensors(folder: str | os.PathLike) -> tuple[dict[str, torch.
     folder = Path(folder)
     if not is_torch_dist_checkpoint(folder):
         raise ConversionError(f"{folder} is not a torch_dist checkpoint folder (no .metadata / metadata.json)")
-    with _process_group(), warnings.catch_warnings():
-        # megatron-core 0.16.1 strategies/torch.py:799 calls torch's deprecated load_state_dict.
-        warnings.filterwarnings("ignore", message=".*load_state_dict. is deprecated", category=FutureWarning)
+    with _process_group():
         metadata = dist_checkpointing.load_tensors_metadata(str(folder))
         model_keys = {k: v for k, v in metadata.items() if not k.startswith(NON_MODEL_KEY_PREFIXES)}
         non_model = sorted(set(metadata) - set(model_keys))
@@ -1678,9 +1675,7 @@ def load_into_model(model, folder: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("._extra_state")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        loaded = dist_checkpointing.load(sharded, str(folder))
+    loaded = dist_checkpointing.load(sharded, str(folder))
     result = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
     bad = [k for k in result.missing_keys if not k.endswith("._extra_state")] + list(result.unexpected_keys)
     if bad:

@@ -1,7 +1,7 @@
 """The one place that patches megatron-core so it trains on a machine without CUDA.
 
-megatron-core 0.16.1 is written for GPUs: a handful of its functions ask for a CUDA device,
-a CUDA RNG state or a CUDA synchronisation even when every tensor lives on the CPU. Each
+megatron-core 0.19.2 is written for GPUs: a handful of its functions ask for a CUDA device,
+a CUDA stream, a CUDA RNG state or a CUDA synchronisation even when every tensor lives on the CPU. Each
 :class:`Shim` below names the megatron-core version and the ``file:line`` it works around,
 and ``tests/test_cpu_compat.py`` shows, per shim, that the unpatched call still fails on CPU
 (so the test fails, and the shim can go, the day megatron-core stops needing it).
@@ -10,7 +10,7 @@ Three kinds of patch are used, all scoped to megatron-core's own code:
 
 * **device redirect**: the module's global ``torch`` is replaced by :class:`CpuTorch`, a thin
   proxy of ``torch`` on which ``torch.cuda.current_device()`` is the CPU device,
-  ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
+  ``torch.cuda.current_stream()`` is the CPU stream, ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
   device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
 * **method wrapper**: one megatron-core method (:data:`METHOD_SHIMS`) runs with
   ``Tensor.cuda()`` returning the tensor itself, only for the duration of that call.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any, Iterator
 import torch
 
 #: The megatron-core version these shims were written for and tested against.
-MEGATRON_CORE_VERSION = "0.16.1"
+MEGATRON_CORE_VERSION = "0.19.2"
 
 _CUDA_NAMES = ("cuda",)
 
@@ -64,6 +65,10 @@ class _CpuCuda:
     @staticmethod
     def current_device() -> torch.device:
         return torch.device("cpu")
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return torch.cpu.current_stream()
 
     @staticmethod
     def synchronize(device: Any = None) -> None:
@@ -120,7 +125,7 @@ class Shim:
     Attributes:
         name: short id used by the tests (``"schedules"``...).
         module: the megatron-core module whose global ``torch`` is replaced (device shims).
-        lines: ``{line number in megatron-core 0.16.1: code found on that line}``; the tests
+        lines: ``{line number in megatron-core 0.19.2: code found on that line}``; the tests
             check each line still holds that CUDA-only call (else the shim may be stale).
         why: what fails without the shim.
     """
@@ -137,38 +142,41 @@ class Shim:
 
     @property
     def works_around(self) -> str:
-        """``megatron-core 0.16.1 megatron/core/utils.py:631: why``."""
+        """``megatron-core 0.19.2 megatron/core/utils.py:715: why``."""
         where = ", ".join(f":{n}" for n in sorted(self.lines))
         return f"megatron-core {MEGATRON_CORE_VERSION} {self.file}{where}: {self.why}"
 
 
 _CUR = "torch.cuda.current_device()"
 _SYNC = "torch.cuda.synchronize()"
+_STREAM = "torch.cuda.current_stream()"
 _CUDA = 'device="cuda"'
 
 #: Device shims: modules whose global ``torch`` becomes :class:`CpuTorch`.
 DEVICE_SHIMS: tuple[Shim, ...] = (
-    Shim("causal_mask", "megatron.core.transformer.utils", {35: _CUDA},
+    Shim("causal_mask", "megatron.core.transformer.utils", {39: _CUDA, 44: _CUDA},
          "get_default_causal_mask builds the causal mask with torch.ones(sq, sq, device='cuda') "
-         "(attention_mask=None, as GPTDataset batches have it)"),
-    Shim("global_memory_buffer", "megatron.core.utils", {631: _CUR},
+         "(attention_mask=None, as GPTDataset batches have it); get_sliding_window_causal_mask likewise"),
+    Shim("global_memory_buffer", "megatron.core.utils", {715: _CUR},
          "GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device() (every attention forward)"),
-    Shim("schedules", "megatron.core.pipeline_parallel.schedules", {596: _CUDA, 983: _CUDA, 2138: _CUDA},
+    Shim("schedules", "megatron.core.pipeline_parallel.schedules", {749: _CUDA, 1121: _CUDA, 2292: _CUDA},
          "every forward-backward schedule makes torch.zeros([], device='cuda'), even at PP=1"),
     Shim("p2p_communication", "megatron.core.pipeline_parallel.p2p_communication",
-         {190: _CUR, 194: _CUR, 198: _CUR, 202: _CUR, 242: _SYNC, 313: _CUR, 321: _CUR, 398: _SYNC},
+         {211: _CUR, 215: _CUR, 219: _CUR, 223: _CUR, 263: _SYNC, 334: _CUR, 342: _CUR, 419: _SYNC},
          "pipeline send/receive buffers on torch.cuda.current_device() and torch.cuda.synchronize() (PP>1)"),
     Shim("param_and_grad_buffer", "megatron.core.distributed.param_and_grad_buffer",
-         {768: _CUDA, 783: _CUR, 800: _CUR, 806: _CUR},
-         "DistributedDataParallel's contiguous grad buffers on torch.cuda.current_device()"),
-    Shim("filesystem_async", "megatron.core.dist_checkpointing.strategies.filesystem_async", {230: _SYNC},
+         {632: _STREAM, 1145: _CUDA, 1162: _CUR, 1180: _CUR, 1186: _CUR},
+         "DistributedDataParallel's contiguous grad buffers on torch.cuda.current_device(); "
+         "start_grad_sync (reached through finalize_model_grads on every iteration) waits on "
+         "torch.cuda.current_stream() (new in 0.19)"),
+    Shim("filesystem_async", "megatron.core.dist_checkpointing.strategies.filesystem_async", {248: _SYNC},
          "torch.cuda.synchronize() before a torch_dist checkpoint is written"),
     Shim("state_dict_saver", "megatron.core.dist_checkpointing.strategies.state_dict_saver", {252: _CUR},
          "the failure flag all-reduced after a torch_dist save lives on torch.cuda.current_device()"),
     Shim("async_utils", "megatron.core.dist_checkpointing.strategies.async_utils",
-         {165: _CUR, 212: _SYNC, 604: _CUR},
+         {224: _CUR, 273: _SYNC, 698: _CUR},
          "async checkpoint bookkeeping tensors on torch.cuda.current_device() and torch.cuda.synchronize()"),
-    Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel", {272: _SYNC, 281: _SYNC},
+    Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel", {287: _SYNC, 296: _SYNC},
          "torch.cuda.synchronize() in fully parallel save/load (DP>1)"),
 )
 
@@ -180,14 +188,14 @@ METHOD_SHIMS: dict[str, tuple[str, str]] = {
 
 _METHOD_SHIM_LIST: tuple[Shim, ...] = (
     Shim("language_module", "megatron.core.models.common.language_module.language_module",
-         {244: "weight.data.cuda()"},
+         {307: "weight.data.cuda()"},
          "with PP>1 and tied embeddings, the last stage's copy of the word embeddings is moved with "
          "weight.data.cuda() before the first/last-stage all-reduce"),
 )
 
 #: The RNG shim (not only a module proxy: a tracker class with CPU generator states).
 RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
-                {55: "torch.cuda.random.get_rng_state", 235: "torch.cuda.get_rng_state()"},
+                {118: "torch.cuda.random.get_rng_state", 303: "torch.cuda.get_rng_state()"},
                 "CudaRNGStatesTracker.add and _get_cuda_rng_state read the CUDA generator "
                 "(model_parallel_cuda_manual_seed; fork() runs in every attention forward)")
 
@@ -208,12 +216,12 @@ def is_applied() -> bool:
 
 # --------------------------------------------------------------------------- RNG tracker
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
-    """CPU stand-in for ``random._get_cuda_rng_state`` (megatron-core 0.16.1 random.py:41)."""
+    """CPU stand-in for ``random._get_cuda_rng_state`` (megatron-core 0.19.2 random.py:104)."""
     return torch.get_rng_state()
 
 
 def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
-    """CPU stand-in for ``random._set_cuda_rng_state`` (megatron-core 0.16.1 random.py:72)."""
+    """CPU stand-in for ``random._set_cuda_rng_state`` (megatron-core 0.19.2 random.py:135)."""
     torch.set_rng_state(new_state)
 
 
@@ -224,10 +232,11 @@ def _make_cpu_tracker_class(base: type) -> type:
         Same streams and seeds as on GPU (``model_parallel_cuda_manual_seed``: data-parallel
         stream ``seed``, tensor-model-parallel stream ``seed + 2718 + tp_rank``, expert stream
         ``seed + 1024 + 100 * ep_rank + etp_rank``); ``fork(name)`` swaps the CPU generator to the
-        named state and back. Source: megatron/core/tensor_parallel/random.py (0.16.1).
+        named state and back. Source: megatron/core/tensor_parallel/random.py (0.19.2).
         """
 
         def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
             if seed in self.seeds_:
                 raise Exception(f"seed {seed} already exists")
             self.seeds_.add(seed)
@@ -328,7 +337,7 @@ def apply(force: bool = False) -> bool:
     ``pipeline_parallel.get_forward_backward_func()`` schedules at PP=1 and PP>1,
     megatron-core ``DistributedDataParallel`` grad buffers, and ``dist_checkpointing``
     save/load in the torch_dist format. See :data:`SHIMS` for the exact megatron-core
-    0.16.1 lines.
+    0.19.2 lines.
 
     Args:
         force: apply even when CUDA is available (tests only).
@@ -338,15 +347,13 @@ def apply(force: bool = False) -> bool:
         was done.
 
     Warns:
-        UserWarning: the installed megatron-core is not 0.16.1 (the shims may be stale).
+        UserWarning: the installed megatron-core is not 0.19.2 (the shims may be stale).
     """
     if _state["applied"]:
         return True
     if not force and not needed():
         return False
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
+    version = installed_version()
     if version != MEGATRON_CORE_VERSION:
         warnings.warn(
             f"helpers.cpu_compat was written for megatron-core {MEGATRON_CORE_VERSION}, found {version}: "
@@ -389,6 +396,19 @@ def unpatched() -> Iterator[None]:
         if was:
             apply(force=True)
             random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
+
+
+def installed_version() -> str:
+    """The installed megatron-core release, e.g. ``"0.19.2"``, read from the package metadata.
+
+    Not ``megatron.core.__version__``: megatron-core's ``package_info.py`` appends
+    ``+<hash>`` of whatever git checkout encloses site-packages (this repository's own commit
+    when ``.venv`` lives inside it), unless ``NO_VCS_VERSION=1`` is set.
+    """
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def describe() -> list[str]:

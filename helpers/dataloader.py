@@ -13,8 +13,8 @@ three index arrays, cached as ``.npy`` files keyed by an MD5 of the config:
 A sample is ``seq_length + 1`` consecutive tokens; ``tokens`` are the first ``seq_length``
 and ``labels`` the last ``seq_length`` (shifted by one).
 
-Known hang (megatron-core 0.16.1): a split range with zero documents makes
-``GPTDataset._get_num_epochs`` (gpt_dataset.py:635) add epochs of 0 tokens forever.
+Known hang (megatron-core 0.19.2, as in 0.16.1): a split range with zero documents makes
+``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) add epochs of 0 tokens forever.
 :func:`check_split` computes the ranges exactly as the builder does and raises first.
 """
 
@@ -72,7 +72,7 @@ def _folder_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-try:  # megatron-core's tokenizer base class, when available (it is in 0.16.1)
+try:  # megatron-core's tokenizer base class, when available (it is in 0.16.1 and 0.19.2)
     from megatron.core.tokenizers import MegatronTokenizerBase as _TokenizerBase
 except ImportError:  # pragma: no cover
     _TokenizerBase = object  # type: ignore[misc,assignment]
@@ -172,7 +172,7 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
 def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int] | None]:
     """Raise before megatron-core hangs on a split range without tokens; return the ranges.
 
-    megatron-core 0.16.1's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:635) loops
+    megatron-core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) loops
     ``while num_tokens < num_tokens_requested: num_tokens += num_tokens_per_epoch`` and never
     ends when a split's range holds 0 tokens (e.g. 300 documents with split ``949,50,1``:
     the test range is empty). Even 0 requested samples ask for 1 token (the extra label token).
@@ -201,7 +201,7 @@ def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int
             need = int(np.ceil(0.5 * sum(weights[:3]) / weights[i])) if weights[i] > 0 else 0
             raise ValueError(
                 f"split={split!r} gives the {name} split {docs} of {n} documents "
-                f"(range [{rng[0]}, {rng[1]}), {tokens} tokens): megatron-core 0.16.1 would loop "
+                f"(range [{rng[0]}, {rng[1]}), {tokens} tokens): megatron-core 0.19.2 would loop "
                 f"forever in GPTDataset._get_num_epochs (gpt_dataset.py). Fix: use more documents "
                 f"(about {need} or more for this split), raise the {name} weight, or set it to 0 "
                 f"to build no {name} dataset (megatron then returns None for it)."

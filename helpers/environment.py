@@ -23,7 +23,7 @@ from pathlib import Path
 
 #: NGC PyTorch container image used in the README, the Dockerfile and notebook 00.
 NGC_IMAGE = "nvcr.io/nvidia/pytorch"
-NGC_TAG = "25.10-py3"
+NGC_TAG = "26.09-py3"
 
 
 def docker_run_command(
@@ -55,7 +55,7 @@ def docker_run_command(
     if not 0 < int(jupyter_port) < 65536:
         raise ValueError(f"jupyter_port={jupyter_port} is not a TCP port: use 1-65535, e.g. 8888")
     if not image:
-        raise ValueError("image is empty: use e.g. nvcr.io/nvidia/pytorch:25.10-py3")
+        raise ValueError("image is empty: use e.g. nvcr.io/nvidia/pytorch:26.09-py3")
     repo = Path(repo_dir).resolve()
     parts = [
         "docker run --rm -it",

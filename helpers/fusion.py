@@ -20,7 +20,7 @@ AdamW. This module holds everything notebook 04 shows:
 * what training should use: :func:`fastest_adamw` / :func:`adamw_implementation` and
   :func:`recommended_fusion_flags`.
 
-Sources: megatron-core 0.16.1 ``megatron/core/fusions/fused_bias_gelu.py``,
+Sources: megatron-core 0.19.2 ``megatron/core/fusions/fused_bias_gelu.py``,
 ``fused_bias_dropout.py``, ``fused_softmax.py``, ``fused_layer_norm.py``,
 ``megatron/core/jit.py`` (``jit_fuser`` is ``torch.compile`` for torch >= 2.2);
 Williams, Waterman, Patterson 2009, "Roofline: an insightful visual performance model"
@@ -141,7 +141,7 @@ def _check_shape(op: str, shape: Sequence[int]) -> tuple[int, ...]:
 def traffic_model(op: str, shape: Sequence[int], dtype_bytes: int = 4) -> dict[str, FusionForm]:
     """Bytes read/written, FLOPs and kernel launches of the unfused and fused forms of ``op``.
 
-    The unfused forms are the kernels megatron-core (0.16.1) launches with its fusion flags
+    The unfused forms are the kernels megatron-core (0.19.2) launches with its fusion flags
     off; the fused forms are one kernel that reads each input once and writes each output
     once, keeping intermediates in registers. Ideal caching is assumed inside a kernel and
     none between kernels (each intermediate goes to memory and comes back). Dropout is
@@ -1063,7 +1063,7 @@ def model_parameters(cfg: Any, *, device: str | None = None, seed: int = 1234) -
 ADAMW_IMPLEMENTATIONS = ("for-loop", "foreach", "fused", "apex-fused")
 
 #: The order :func:`adamw_implementation` tries when no measurement is given. Measured in
-#: notebook 04 (2 CPU cores, torch 2.13): fused ~4x faster than for-loop and foreach, which
+#: notebook 04 (2 CPU cores, torch 2.13 and 2.14): fused ~4x faster than for-loop and foreach, which
 #: are close; on NVIDIA GPUs Apex FusedAdam and torch's fused AdamW are both single
 #: multi-tensor kernels (torch's fused is used when Apex is absent).
 DEFAULT_ADAMW_PREFERENCE = ("apex-fused", "fused", "foreach", "for-loop")
@@ -1266,7 +1266,7 @@ def plot_adamw(bench: AdamWBenchmark, title: str = "AdamW: time per optimizer st
 
 
 # =========================================================================== training-step flags
-#: megatron-core TransformerConfig fusion flags that work on CPU in 0.16.1.
+#: megatron-core TransformerConfig fusion flags that work on CPU (0.16.1 and 0.19.2).
 FUSION_FLAGS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion")
 
 

@@ -215,7 +215,7 @@ def layouts_for(world_size: int, model: ModelConfig | None = None) -> list[Layou
 
 
 # =========================================================================== rank groups
-#: megatron-core 0.16.1's default rank order (``initialize_model_parallel(order=...)``):
+#: megatron-core 0.19.2's default rank order (``initialize_model_parallel(order=...)``):
 #: TP ranks are neighbours (same node), PP is the outermost dimension.
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 

@@ -40,7 +40,7 @@ def test_installed_versions_match_the_pins():
 
 def test_environment_yml_installs_the_same_pins():
     text = (ROOT / "environment.yml").read_text()
-    assert re.search(r"^\s*-\s*python=3\.11\s*$", text, re.M)
+    assert re.search(r"^\s*-\s*python=3\.12\s*$", text, re.M)
     assert "conda-forge" in text
     pip_lines = re.findall(r"^\s{6}-\s*(.+)$", text, re.M)
     assert "-r requirements.txt" in pip_lines, "environment.yml must read requirements.txt, the one source of pins"

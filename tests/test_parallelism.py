@@ -216,11 +216,11 @@ def test_launch_plan_node_commands_and_the_local_one():
 def test_sbatch_script_and_megatron_args():
     plan = par.launch_plan(par.Layout(2, 2, 4), ["helpers.training", "--config", "run.json"], nnodes=2,
                            master_port=29500)
-    script = par.sbatch_script(plan, job_name="gpt", partition="gpu", container_image="nvcr.io/nvidia/pytorch:25.10-py3")
+    script = par.sbatch_script(plan, job_name="gpt", partition="gpu", container_image="nvcr.io/nvidia/pytorch:26.09-py3")
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --partition=gpu", "--rdzv_endpoint=$HEAD_NODE:29500", "--rdzv_id=$SLURM_JOB_ID",
-                 "--container-image=nvcr.io/nvidia/pytorch:25.10-py3", "\n    -m helpers.training --config run.json\n"):
+                 "--container-image=nvcr.io/nvidia/pytorch:26.09-py3", "\n    -m helpers.training --config run.json\n"):
         assert line in script, line
     args = par.megatron_lm_args(par.Layout(2, 2, 4), micro_batch_size=2, global_batch_size=64,
                                 distributed_optimizer=True, recompute="selective")
