@@ -90,6 +90,20 @@ KNOWN: tuple[KnownMessage, ...] = (
         "megatron-core's torch_dist format still hands torch.distributed.checkpoint ShardedTensors",
         category=FutureWarning),
     KnownMessage(
+        "rank_unknown", r"Could not determine rank from torch.distributed, RANK, or SLURM_PROCID", "warning",
+        "megatron-core _rank_utils.py:39",
+        "a notebook builds its .bin/.idx or GPTDataset in its own single process, without "
+        "torch.distributed: rank 0 is the right answer"),
+    KnownMessage(
+        "dcp_no_dist", r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single process", "warning",
+        "torch distributed/checkpoint/utils.py:486, :488",
+        "megatron-core's torch_dist load reads each rank's own shards with no_dist=True "
+        "(dist_checkpointing/strategies/torch.py:979); torch warns even when a process group exists"),
+    KnownMessage(
+        "dcp_load_argument_order", r"The argument order of load has been changed", "warning",
+        "torch distributed/checkpoint/logger.py:90",
+        "the same torch.distributed.checkpoint.load call, made by megatron-core with keyword arguments"),
+    KnownMessage(
         "no_cuda_runtime", r"No CUDA runtime is found", "log",
         "torch utils/cpp_extension.py:183, imported by megatron-core tensor_parallel/random.py",
         "PyPI's Linux torch is a CUDA build; on a machine without a GPU it finds no CUDA runtime",

@@ -108,6 +108,11 @@ def test_exercises_that_raise_a_parameter_name_a_new_value(path):
             assert float(value) > float(defaults[name]), f"{path.name}: exercise raises {name} to {value}, default {defaults[name]}"
 
 
+#: The two functions megatron-core's schedules make every user write (notebook 03, section 5.6):
+#: they are the lesson, so they are written on the page, not hidden in helpers/.
+MEGATRON_CONTRACT = {"forward_step", "loss_func"}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_no_logic_or_installs_in_notebooks(path):
     nb = _read(path)
@@ -116,7 +121,8 @@ def test_no_logic_or_installs_in_notebooks(path):
             continue
         assert "import *" not in cell.source
         assert not re.search(r"^\s*[!%]\s*pip", cell.source, re.M), "no pip cells: the environment comes from requirements.txt"
-        assert not re.search(r"^(def|class) ", cell.source, re.M), f"{path.name}: define functions in helpers/, not in the notebook"
+        defined = set(re.findall(r"^(?:def|class) (\w+)", cell.source, re.M))
+        assert defined <= MEGATRON_CONTRACT, f"{path.name}: define {sorted(defined - MEGATRON_CONTRACT)} in helpers/, not in the notebook"
 
 
 @pytest.mark.parametrize("profile", sorted(series.PROFILES))

@@ -293,3 +293,6 @@ def test_03_results_in_the_smoke_series(series_run):
     assert Path(s["checkpoint_path"]).is_dir() and (Path(s["checkpoint_path"]) / "model_config.json").exists()
     assert (Path(run_dir) / "figures" / "03_loss_and_lr.png").stat().st_size > 10_000
     assert isinstance(s["greedy_sample"], str) and s["greedy_sample"].startswith("import os")
+    # Section 5's loop in cells and the torchrun script: the same losses, bit for bit (1 process, fp32).
+    assert s["cells_vs_script_loss_difference"] == 0.0
+    assert s["cells_checkpoint_logits_identical"] is True
