@@ -286,12 +286,12 @@ def load_model(checkpoint_dir: str | os.PathLike, iteration: int | None = None, 
     from megatron.core import dist_checkpointing, parallel_state
 
     from helpers import model as model_lib
-    from helpers import training
+    from helpers.distributed import initialize_distributed
 
     meta = read_model_config(checkpoint_dir, iteration)
     iteration = meta["iteration"] if iteration is None else iteration
     if not parallel_state.model_parallel_is_initialized():
-        training.initialize_distributed(1, 1, seed=seed)
+        initialize_distributed(1, 1, seed=seed)
     fields = {f for f in model_lib.ModelConfig.__dataclass_fields__}
     cfg = model_lib.ModelConfig.from_dict({k: v for k, v in meta.items() if k in fields})
     gpt = model_lib.build_model(cfg, layer_spec="local" if meta.get("layer_spec") == "local" else "auto")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -353,7 +352,9 @@ def apply(force: bool = False) -> bool:
         return True
     if not force and not needed():
         return False
-    version = installed_version()
+    from helpers.environment import package_version
+
+    version = package_version("megatron-core")
     if version != MEGATRON_CORE_VERSION:
         warnings.warn(
             f"helpers.cpu_compat was written for megatron-core {MEGATRON_CORE_VERSION}, found {version}: "
@@ -396,19 +397,6 @@ def unpatched() -> Iterator[None]:
         if was:
             apply(force=True)
             random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
-
-
-def installed_version() -> str:
-    """The installed megatron-core release, e.g. ``"0.19.2"``, read from the package metadata.
-
-    Not ``megatron.core.__version__``: megatron-core's ``package_info.py`` appends
-    ``+<hash>`` of whatever git checkout encloses site-packages (this repository's own commit
-    when ``.venv`` lives inside it), unless ``NO_VCS_VERSION=1`` is set.
-    """
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def describe() -> list[str]:

@@ -31,40 +31,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from helpers import tokenizer as tokenizer_mod
+from helpers.preprocess import open_indexed_dataset, split_document_ranges
+from helpers.tokenizer import load_tokenizer  # noqa: F401  (notebooks call dataloader.load_tokenizer)
 
 SPLIT_NAMES: tuple[str, str, str] = ("train", "valid", "test")
 
 
 # --------------------------------------------------------------------------- tokenizers
-def load_tokenizer(tokenizer_dir: str | os.PathLike):
-    """The transformers fast tokenizer saved in ``tokenizer_dir``, checked.
-
-    Loads with ``AutoTokenizer.from_pretrained(folder)`` only: with transformers 5.x,
-    ``GPT2TokenizerFast(vocab_file=..., merges_file=...)`` silently builds an empty tokenizer,
-    so the vocabulary size is checked against ``vocab.json``.
-
-    Returns:
-        A ``transformers`` fast tokenizer (``GPT2Tokenizer`` backed by ``tokenizers``).
-
-    Raises:
-        FileNotFoundError: the folder lacks a file of :data:`helpers.tokenizer.TOKENIZER_FILES`.
-        ValueError: the loaded tokenizer's size or EOD id differs from ``vocab.json``.
-    """
-    from transformers import AutoTokenizer
-
-    folder = Path(tokenizer_dir)
-    missing = [n for n in tokenizer_mod.TOKENIZER_FILES if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{folder} lacks {missing}: train the tokenizer with helpers.preprocess.ensure_data (notebook 01)")
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    expected = tokenizer_mod.vocab_size_of(folder)
-    if len(tok) != expected:
-        raise ValueError(f"tokenizer loaded from {folder} has {len(tok)} entries but vocab.json has {expected}")
-    if tok.eos_token_id != tokenizer_mod.eod_id(folder):
-        raise ValueError(f"tokenizer loaded from {folder}: eos id {tok.eos_token_id} is not the EOD id of vocab.json")
-    return tok
-
-
 def _folder_digest(folder: Path) -> str:
     h = hashlib.sha256()
     for name in ("vocab.json", "merges.txt"):
@@ -138,37 +111,6 @@ class MegatronTokenizerAdapter(_TokenizerBase):  # type: ignore[misc,valid-type]
 
 
 # --------------------------------------------------------------------------- splits and the guard
-def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int] | None]:
-    """Document ranges ``[begin, end)`` of train/valid/test, computed as megatron-core does.
-
-    Same arithmetic as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
-    the split string is normalised (``parse_and_normalize_split``), turned into book-ends
-    (``convert_split_vector_to_split_matrix``), and each end is ``round(bookend * N)``.
-    A split with weight 0 is ``None`` (megatron builds no dataset for it).
-
-    Raises:
-        ValueError: ``split`` is not 1-3 non-negative numbers with a positive sum, or
-            ``num_documents < 1``.
-    """
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-        parse_and_normalize_split,
-    )
-
-    if num_documents < 1:
-        raise ValueError(f"num_documents={num_documents}: the dataset holds no documents")
-    parts = [p for p in str(split).replace(" ", "").split(",") if p != ""]
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"split={split!r}: write 1-3 comma-separated weights, e.g. '969,30,1'") from None
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split={split!r}: write 1-3 non-negative weights with a positive sum, e.g. '969,30,1'")
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    return [None if b is None else (int(round(b[0] * num_documents)), int(round(b[1] * num_documents)))
-            for b in matrix]
-
-
 def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int] | None]:
     """Raise before megatron-core hangs on a split range without tokens; return the ranges.
 
@@ -275,7 +217,6 @@ def _sequence_lengths(prefix: str) -> np.ndarray:
     memory map, which the dataset closes when it is garbage collected; reading the view
     after that crashes the process (segmentation fault).
     """
-    from helpers.preprocess import open_indexed_dataset
 
     ds = open_indexed_dataset(prefix)
     lengths = np.array(ds.sequence_lengths, copy=True)

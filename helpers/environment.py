@@ -91,7 +91,13 @@ class Component:
         }
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist`` (e.g. ``"megatron-core"`` -> ``"0.19.2"``),
+    read from its package metadata; None when it is not installed.
+
+    Not ``module.__version__``: megatron-core's ``package_info.py`` appends ``+<hash>`` of
+    whatever git checkout encloses site-packages unless ``NO_VCS_VERSION=1`` is set.
+    """
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -132,7 +138,7 @@ def transformer_engine_version() -> str | None:
         import transformer_engine  # noqa: F401
     except Exception:
         return None
-    return _version("transformer_engine") or _version("transformer-engine") or "unknown"
+    return package_version("transformer_engine") or package_version("transformer-engine") or "unknown"
 
 
 def report() -> list[Component]:
@@ -158,13 +164,13 @@ def report() -> list[Component]:
     rows.append(Component("NCCL", nccl, ".".join(map(str, torch.cuda.nccl.version())) if nccl else "-",
                           "NCCL" if nccl else "gloo (CPU collectives)"))
     rows.append(Component("gloo", dist.is_available() and dist.is_gloo_available(), "torch.distributed backend", "-"))
-    mcore = _version("megatron-core")
+    mcore = package_version("megatron-core")
     rows.append(Component("megatron-core", mcore is not None, mcore or "-", "-" if mcore else "install requirements.txt"))
-    tf = _version("transformers")
+    tf = package_version("transformers")
     rows.append(Component("transformers", tf is not None, tf or "-", "-" if tf else "install requirements.txt"))
     from helpers.preprocess import resolve_engine
 
-    giga = _version("gigatoken") if resolve_engine("auto") == "gigatoken" else None
+    giga = package_version("gigatoken") if resolve_engine("auto") == "gigatoken" else None
     rows.append(Component("gigatoken", giga is not None, giga or "-",
                           "gigatoken (Rust BPE) for .bin/.idx" if giga else "HF tokenizers (slower, byte-identical files)"))
     apex = nvidia_apex()

@@ -1431,3 +1431,80 @@ def recommended_fusion_flags(device: str | None = None,
         return {f: True for f in FUSION_FLAGS}
     on = _measured(run_dir, device).get("fusion_flags_clearly_faster") is True
     return {f: on for f in FUSION_FLAGS}
+
+
+# =========================================================================== core attention (notebook 04, section 9)
+@dataclass
+class AttentionBenchmark:
+    """What :func:`benchmark_core_attention` measured.
+
+    Attributes:
+        shape: ``(seq, micro_batch, heads, head_dim)`` of query, key and value.
+        timings: ``{"unfused" | "sdpa": helpers.fusion.Timing}``, seconds per forward + backward.
+        max_abs_diff: largest difference between the two, over the output and the three input gradients.
+        score_matrix_bytes: bytes of one ``[b, heads, s, s]`` matrix in the dtype used; the
+            unfused module keeps two of them (scores and probabilities) for the backward pass.
+    """
+
+    shape: tuple[int, int, int, int]
+    timings: dict[str, Any]
+    max_abs_diff: float
+    score_matrix_bytes: int
+
+    @property
+    def speedup(self) -> float:
+        """Median time of the unfused module over SDPA's (> 1: SDPA is faster)."""
+        return self.timings["unfused"].median_s / self.timings["sdpa"].median_s
+
+
+def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "cpu",
+                             dtype: torch.dtype = torch.float32, warmup: int = 3, repeats: int = 15,
+                             seed: int = 1234) -> AttentionBenchmark:
+    """Time forward + backward of both core-attention modules at ``cfg``'s shapes (causal, no dropout).
+
+    Args:
+        cfg: a :class:`helpers.model.ModelConfig` (heads, width, sequence length).
+        micro_batch_size: sequences per call.
+        device, dtype: where and in what precision (notebook 04 uses bf16 on CUDA, fp32 on a
+            CPU, where bf16 runs but is slow).
+        warmup, repeats: see :func:`time_calls` (interleaved repeats).
+        seed: of the random query, key, value and output gradient.
+
+    Returns:
+        :class:`AttentionBenchmark`.
+
+    Raises:
+        ValueError: ``micro_batch_size < 1``; see also :func:`time_calls` and
+            :func:`helpers.model.transformer_config`.
+    """
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from helpers import model
+    from helpers.attention import MODULES
+
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size}: pass at least 1 sequence per call")
+
+    heads = cfg.num_attention_heads
+    shape = (cfg.seq_length, micro_batch_size, heads, cfg.hidden_size // heads)
+    with single_process_model_parallel(seed):
+        config = model.transformer_config(cfg, precision="fp32")
+        mods = {name: cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                          attention_type="self").to(device) for name, cls in MODULES.items()}
+        gen = torch.Generator().manual_seed(seed)
+        qkv = [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+        grad_out = torch.randn(shape[0], shape[1], shape[2] * shape[3], generator=gen).to(device=device, dtype=dtype)
+
+        def step(name: str) -> list[torch.Tensor]:
+            q, k, v = (t.detach().requires_grad_() for t in qkv)
+            out = mods[name](q, k, v, None)
+            out.backward(grad_out)
+            return [out.detach(), q.grad, k.grad, v.grad]
+
+        results = {name: step(name) for name in mods}
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results["unfused"], results["sdpa"]))
+        timings = time_calls({name: (lambda n=name: step(n)) for name in mods}, device=device,
+                                    warmup=warmup, repeats=repeats)
+    b, s = micro_batch_size, cfg.seq_length
+    return AttentionBenchmark(shape=shape, timings=timings, max_abs_diff=diff,
+                              score_matrix_bytes=b * heads * s * s * torch.tensor([], dtype=dtype).element_size())

@@ -226,6 +226,113 @@ def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int
     return l * layer_fwd * layer_factor + 3 * 2 * h * v
 
 
+# =========================================================================== parallel layouts
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor-, pipeline- and data-parallel sizes (world size = TP x PP x DP).
+
+    Attributes:
+        tensor_model_parallel_size: ranks that split every layer's matrices (Megatron
+            ``--tensor-model-parallel-size``).
+        pipeline_model_parallel_size: pipeline stages, each a consecutive block of layers
+            (``--pipeline-model-parallel-size``).
+        data_parallel_size: model replicas, each fed different samples of the global batch.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Layout.{name}={value!r} must be an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) the layout needs: TP x PP x DP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    @property
+    def name(self) -> str:
+        """``"tp2_pp1_dp1"``: a folder-safe name."""
+        return f"tp{self.tensor_model_parallel_size}_pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}"
+
+    @property
+    def label(self) -> str:
+        """``"TP=2 PP=1 DP=1"``: for tables and legends."""
+        return f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} DP={self.data_parallel_size}"
+
+
+def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None = None,
+                 micro_batch_size: int | None = None, global_batch_size: int | None = None) -> None:
+    """Refuse a layout megatron-core cannot build, before any process starts.
+
+    Megatron-LM checks the same things in ``megatron/training/arguments.py`` (``validate_args``)
+    and ``megatron/core/utils.py::divide`` (an ``AssertionError`` deep inside model building,
+    on every rank, if not caught first).
+
+    Args:
+        model: the model shape.
+        layout: TP, PP, DP sizes.
+        world_size: processes that will be started; must equal ``layout.world_size``.
+        micro_batch_size, global_batch_size: when given, the global batch must be a multiple
+            of micro-batch x DP (the rest are gradient-accumulation micro-batches).
+
+    Raises:
+        ValueError: TP does not divide the attention heads, the hidden size or the MLP width;
+            PP is larger than (or does not divide) the number of layers; the world size is
+            not TP x PP x DP; the global batch is not a multiple of micro-batch x DP. The
+            message names the values and the fix.
+    """
+    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    if model.num_attention_heads % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={model.num_attention_heads}: "
+            f"each TP rank computes whole heads. Use a TP size among {divisors(model.num_attention_heads)}."
+        )
+    if model.hidden_size % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide hidden_size={model.hidden_size}: the row-parallel "
+            f"layers split the hidden dimension. Use a TP size among {divisors(model.hidden_size)}."
+        )
+    if model.ffn_size % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the MLP width ffn_hidden_size={model.ffn_size}: "
+            f"use a TP size among {divisors(model.ffn_size)}."
+        )
+    if pp > model.num_layers:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} is larger than num_layers={model.num_layers}: a pipeline stage "
+            f"needs at least one layer. Use PP <= {model.num_layers}."
+        )
+    if model.num_layers % pp:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} does not divide num_layers={model.num_layers}: every stage "
+            f"holds the same number of layers. Use a PP size among {divisors(model.num_layers)}."
+        )
+    if world_size is not None and world_size != layout.world_size:
+        raise ValueError(
+            f"world size {world_size} != TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size}: start "
+            f"{layout.world_size} processes (nproc_per_node x nnodes), or change the data-parallel size to "
+            f"world_size / (TP x PP)" + (f" = {world_size // (tp * pp)}" if world_size % (tp * pp) == 0 else
+                                         f" (impossible: {world_size} is not a multiple of TP x PP = {tp * pp})")
+        )
+    if micro_batch_size is not None and global_batch_size is not None:
+        step = micro_batch_size * dp
+        if micro_batch_size < 1 or global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
+                f"{micro_batch_size} x {dp} = {step}: use a multiple of {step}"
+            )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: the TP/PP sizes a dimension of length ``n`` allows."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def transformer_engine_available() -> bool:
     """True when Transformer Engine can be imported (then the TE layer spec is used)."""
     return importlib.util.find_spec("transformer_engine") is not None
@@ -249,8 +356,8 @@ def transformer_config(cfg: ModelConfig, *, tensor_model_parallel_size: int = 1,
         ``megatron.core.transformer.TransformerConfig``.
 
     Raises:
-        ValueError: unknown precision, bf16/fp16 without CUDA, or layers not divisible by
-            the pipeline-model-parallel size.
+        ValueError: unknown precision, bf16/fp16 without CUDA, or a layout the shape does not
+            allow (:func:`check_layout`).
     """
     import torch
     import torch.nn.functional as F
@@ -260,16 +367,7 @@ def transformer_config(cfg: ModelConfig, *, tensor_model_parallel_size: int = 1,
         raise ValueError(f"precision={precision!r}: choose 'fp32', 'bf16' or 'fp16'")
     if precision != "fp32" and not torch.cuda.is_available():
         raise ValueError(f"precision={precision!r} needs a CUDA GPU; use precision='fp32' on CPU")
-    if cfg.num_layers % pipeline_model_parallel_size:
-        raise ValueError(
-            f"num_layers={cfg.num_layers} is not divisible by pipeline_model_parallel_size="
-            f"{pipeline_model_parallel_size}: each pipeline stage needs the same number of layers"
-        )
-    if cfg.num_attention_heads % tensor_model_parallel_size:
-        raise ValueError(
-            f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
-            f"tensor_model_parallel_size={tensor_model_parallel_size}"
-        )
+    check_layout(cfg, Layout(tensor_model_parallel_size, pipeline_model_parallel_size, 1))
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

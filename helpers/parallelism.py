@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from helpers.model import ModelConfig
+from helpers.model import Layout, ModelConfig, check_layout, divisors  # noqa: F401  (parallelism.Layout, .check_layout: notebook 05)
 from helpers.model import PROFILES as MODEL_PROFILES
 
 #: The notebook's stem (its results go under this key of ``summary.json``).
@@ -93,117 +93,12 @@ GIB = 1024 ** 3
 
 
 # =========================================================================== layouts
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout: tensor-, pipeline- and data-parallel sizes (world size = TP x PP x DP).
-
-    Attributes:
-        tensor_model_parallel_size: ranks that split every layer's matrices (Megatron
-            ``--tensor-model-parallel-size``).
-        pipeline_model_parallel_size: pipeline stages, each a consecutive block of layers
-            (``--pipeline-model-parallel-size``).
-        data_parallel_size: model replicas, each fed different samples of the global batch.
-    """
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    data_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Layout.{name}={value!r} must be an integer >= 1")
-
-    @property
-    def world_size(self) -> int:
-        """Processes (GPUs) the layout needs: TP x PP x DP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
-
-    @property
-    def name(self) -> str:
-        """``"tp2_pp1_dp1"``: a folder-safe name."""
-        return f"tp{self.tensor_model_parallel_size}_pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}"
-
-    @property
-    def label(self) -> str:
-        """``"TP=2 PP=1 DP=1"``: for tables and legends."""
-        return f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} DP={self.data_parallel_size}"
-
-
-def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None = None,
-                 micro_batch_size: int | None = None, global_batch_size: int | None = None) -> None:
-    """Refuse a layout megatron-core cannot build, before any process starts.
-
-    Megatron-LM checks the same things in ``megatron/training/arguments.py`` (``validate_args``)
-    and ``megatron/core/utils.py::divide`` (an ``AssertionError`` deep inside model building,
-    on every rank, if not caught first).
-
-    Args:
-        model: the model shape.
-        layout: TP, PP, DP sizes.
-        world_size: processes that will be started; must equal ``layout.world_size``.
-        micro_batch_size, global_batch_size: when given, the global batch must be a multiple
-            of micro-batch x DP (the rest are gradient-accumulation micro-batches).
-
-    Raises:
-        ValueError: TP does not divide the attention heads, the hidden size or the MLP width;
-            PP is larger than (or does not divide) the number of layers; the world size is
-            not TP x PP x DP; the global batch is not a multiple of micro-batch x DP. The
-            message names the values and the fix.
-    """
-    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
-    if model.num_attention_heads % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={model.num_attention_heads}: "
-            f"each TP rank computes whole heads. Use a TP size among {_divisors(model.num_attention_heads)}."
-        )
-    if model.hidden_size % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide hidden_size={model.hidden_size}: the row-parallel "
-            f"layers split the hidden dimension. Use a TP size among {_divisors(model.hidden_size)}."
-        )
-    if model.ffn_size % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide the MLP width ffn_hidden_size={model.ffn_size}: "
-            f"use a TP size among {_divisors(model.ffn_size)}."
-        )
-    if pp > model.num_layers:
-        raise ValueError(
-            f"pipeline_model_parallel_size={pp} is larger than num_layers={model.num_layers}: a pipeline stage "
-            f"needs at least one layer. Use PP <= {model.num_layers}."
-        )
-    if model.num_layers % pp:
-        raise ValueError(
-            f"pipeline_model_parallel_size={pp} does not divide num_layers={model.num_layers}: every stage "
-            f"holds the same number of layers. Use a PP size among {_divisors(model.num_layers)}."
-        )
-    if world_size is not None and world_size != layout.world_size:
-        raise ValueError(
-            f"world size {world_size} != TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size}: start "
-            f"{layout.world_size} processes (nproc_per_node x nnodes), or change the data-parallel size to "
-            f"world_size / (TP x PP)" + (f" = {world_size // (tp * pp)}" if world_size % (tp * pp) == 0 else
-                                         f" (impossible: {world_size} is not a multiple of TP x PP = {tp * pp})")
-        )
-    if micro_batch_size is not None and global_batch_size is not None:
-        step = micro_batch_size * dp
-        if micro_batch_size < 1 or global_batch_size % step:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
-                f"{micro_batch_size} x {dp} = {step}: use a multiple of {step}"
-            )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def layouts_for(world_size: int, model: ModelConfig | None = None) -> list[Layout]:
     """Every (TP, PP, DP) with TP x PP x DP = ``world_size`` (valid for ``model`` when given),
     ordered by TP, then PP."""
     out = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
             layout = Layout(tp, pp, world_size // (tp * pp))
             if model is not None:
                 try:

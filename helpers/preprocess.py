@@ -332,6 +332,37 @@ def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iter
 
 
 # --------------------------------------------------------------------------- reading back
+def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int] | None]:
+    """Document ranges ``[begin, end)`` of train/valid/test, computed as megatron-core does.
+
+    Same arithmetic as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
+    the split string is normalised (``parse_and_normalize_split``), turned into book-ends
+    (``convert_split_vector_to_split_matrix``), and each end is ``round(bookend * N)``.
+    A split with weight 0 is ``None`` (megatron builds no dataset for it).
+
+    Raises:
+        ValueError: ``split`` is not 1-3 non-negative numbers with a positive sum, or
+            ``num_documents < 1``.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    if num_documents < 1:
+        raise ValueError(f"num_documents={num_documents}: the dataset holds no documents")
+    parts = [p for p in str(split).replace(" ", "").split(",") if p != ""]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"split={split!r}: write 1-3 comma-separated weights, e.g. '969,30,1'") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split={split!r}: write 1-3 non-negative weights with a positive sum, e.g. '969,30,1'")
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    return [None if b is None else (int(round(b[0] * num_documents)), int(round(b[1] * num_documents)))
+            for b in matrix]
+
+
 def open_indexed_dataset(prefix: str | os.PathLike):
     """megatron-core ``IndexedDataset`` over ``<prefix>.bin/.idx`` (memory-mapped).
 
@@ -480,7 +511,6 @@ def ensure_data(
             (the message names it and the fix: a new run folder); or the errors of the steps.
         FileNotFoundError / ValueError: from the corpus, tokenizer and preprocessing steps.
     """
-    from helpers.dataloader import split_document_ranges
 
     if stop_after not in (None, "corpus", "tokenizer"):
         raise ValueError(f"stop_after={stop_after!r}: use 'corpus', 'tokenizer' or None")

@@ -177,14 +177,41 @@ def eod_id(tokenizer_dir: str | os.PathLike) -> int:
     return int(vocab[EOD_TOKEN])
 
 
+def load_tokenizer(tokenizer_dir: str | os.PathLike):
+    """The transformers fast tokenizer saved in ``tokenizer_dir``, checked.
+
+    Loads with ``AutoTokenizer.from_pretrained(folder)`` only: with transformers 5.x,
+    ``GPT2TokenizerFast(vocab_file=..., merges_file=...)`` silently builds an empty tokenizer,
+    so the vocabulary size is checked against ``vocab.json``.
+
+    Returns:
+        A ``transformers`` fast tokenizer (``GPT2Tokenizer`` backed by ``tokenizers``).
+
+    Raises:
+        FileNotFoundError: the folder lacks a file of :data:`helpers.tokenizer.TOKENIZER_FILES`.
+        ValueError: the loaded tokenizer's size or EOD id differs from ``vocab.json``.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(tokenizer_dir)
+    missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {missing}: train the tokenizer with helpers.preprocess.ensure_data (notebook 01)")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    expected = vocab_size_of(folder)
+    if len(tok) != expected:
+        raise ValueError(f"tokenizer loaded from {folder} has {len(tok)} entries but vocab.json has {expected}")
+    if tok.eos_token_id != eod_id(folder):
+        raise ValueError(f"tokenizer loaded from {folder}: eos id {tok.eos_token_id} is not the EOD id of vocab.json")
+    return tok
+
+
 def round_trip_failures(tokenizer_dir: str | os.PathLike, texts: Iterable[str]) -> list[int]:
     """Positions of the texts for which ``decode(encode(text)) != text`` (empty = all exact).
 
     Uses the transformers tokenizer loaded from the folder (the one a user of the converted
     model gets), without special-token handling of the text.
     """
-    from helpers.dataloader import load_tokenizer
-
     tok = load_tokenizer(tokenizer_dir)
     failures = []
     for i, text in enumerate(texts):

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from helpers import checkpointing
+from helpers.environment import package_version
+from helpers.distributed import destroy_distributed, initialize_distributed  # noqa: F401  (training.initialize_distributed)
 from helpers.model import ModelConfig
 from helpers.model import PROFILES as MODEL_PROFILES
 
@@ -193,7 +195,7 @@ class TrainingConfig:
         Raises:
             ValueError: non-positive sizes, a global batch not divisible by micro-batch x
                 data-parallel size, TP not dividing the heads / hidden size / MLP width or PP
-                not dividing the layers (:func:`helpers.parallelism.check_layout`), warmup not shorter than decay, unknown precision or
+                not dividing the layers (:func:`helpers.model.check_layout`), warmup not shorter than decay, unknown precision or
                 decay style, bf16/fp16 without CUDA.
             FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
             ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
@@ -205,10 +207,9 @@ class TrainingConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         dp = self.data_parallel_size(world_size)
         num_microbatches(self.global_batch_size, self.micro_batch_size, dp)
-        from helpers import parallelism  # TP divides heads/width, PP divides layers: before any process starts
+        from helpers.model import Layout, check_layout  # TP divides heads/width, PP divides layers
 
-        parallelism.check_layout(self.model, parallelism.Layout(self.tensor_model_parallel_size,
-                                                                self.pipeline_model_parallel_size, dp))
+        check_layout(self.model, Layout(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, dp))
         if self.lr_warmup_iters >= self.decay_iters:
             raise ValueError(f"lr_warmup_iters={self.lr_warmup_iters} must be below lr_decay_iters={self.decay_iters}")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
@@ -305,78 +306,6 @@ def resolve_precision(precision: str) -> str:
     if precision != "fp32" and not torch.cuda.is_available():
         raise ValueError(f"precision={precision!r} needs a CUDA GPU; use 'fp32' (or 'auto') on CPU")
     return precision
-
-
-# =========================================================================== distributed set-up
-def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                           seed: int = 1234) -> dict[str, int]:
-    """Process group, megatron-core model-parallel groups and seeded RNGs, as pretrain_gpt does.
-
-    Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them a
-    single process (a free port on localhost; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
-    :mod:`helpers.cpu_compat` shims). Seeds: Python/NumPy/torch with ``seed + 100 * pp_rank``
-    and megatron's tracker with ``model_parallel_cuda_manual_seed`` (Megatron-LM
-    ``_set_random_seed``).
-
-    Returns:
-        ``{"rank", "world_size", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank"}``.
-
-    Raises:
-        ValueError: world size not divisible by TP x PP.
-    """
-    import random
-
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from helpers import cpu_compat
-    from helpers.launch import free_port
-
-    cpu_compat.apply()
-    under_torchrun = "RANK" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else 1
-    mp = tensor_model_parallel_size * pipeline_model_parallel_size
-    if world_size % mp:
-        raise ValueError(
-            f"{world_size} processes cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
-            f"= {mp}: launch a multiple of {mp} processes (--nproc_per_node)"
-        )
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if under_torchrun:
-            dist.init_process_group(backend)
-        else:  # one process; leave os.environ alone so child processes do not inherit a rendezvous
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    stream_seed = seed + 100 * pp_rank
-    random.seed(stream_seed)
-    np.random.seed(stream_seed)
-    torch.manual_seed(stream_seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(stream_seed, force_reset_rng=True)
-    return {
-        "rank": dist.get_rank(), "world_size": world_size,
-        "tp": tensor_model_parallel_size, "pp": pipeline_model_parallel_size,
-        "dp": parallel_state.get_data_parallel_world_size(),
-        "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "pp_rank": pp_rank,
-        "dp_rank": parallel_state.get_data_parallel_rank(),
-    }
-
-
-def destroy_distributed() -> None:
-    """Tear down megatron-core's groups and the process group (safe to call twice)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # =========================================================================== data
@@ -806,14 +735,8 @@ def checkpoint_metadata(trainer: Trainer) -> dict[str, Any]:
         "layer_spec": getattr(trainer.bare_model, "layer_spec_name", "local"),
         "tokenizer_dir": str(cfg.tokenizer_path),
         "checkpoint_format": "torch_dist",
-        "megatron_core_version": _megatron_version(),
+        "megatron_core_version": package_version("megatron-core"),
     }
-
-
-def _megatron_version() -> str:
-    import megatron.core
-
-    return getattr(megatron.core, "__version__", "unknown")
 
 
 def _state(trainer: Trainer) -> dict:
@@ -911,7 +834,7 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
     total_params = cfg.model.to_metadata(cfg.tensor_model_parallel_size)["num_parameters"]
     logger = MetricsLogger(cfg, is_logger, start)
     say = (lambda s: print(s, flush=True)) if is_logger else (lambda s: None)
-    say(f"> megatron-core {_megatron_version()}, torch {torch.__version__}, world size {world} "
+    say(f"> megatron-core {package_version("megatron-core")}, torch {torch.__version__}, world size {world} "
         f"(TP={trainer.dist_info['tp']}, PP={trainer.dist_info['pp']}, DP={trainer.dist_info['dp']}), "
         f"precision {trainer.precision}, layer spec {getattr(trainer.bare_model, 'layer_spec_name', '?')}")
     say(f"> parameters: {total_params:,} in all, {n_params:,} on this rank; "

@@ -1,0 +1,86 @@
+"""The process groups every megatron-core program starts with, in one or many processes.
+
+:func:`initialize_distributed` is what Megatron-LM's ``initialize_megatron`` does for the series:
+``torch.distributed`` (NCCL on GPUs, gloo on a CPU with :mod:`helpers.cpu_compat`'s shims),
+megatron-core's model-parallel groups and the seeded RNG streams. Notebook 03 (section 5.1-5.2)
+writes the same calls out in cells; the training script, the checkpoint loader and the
+converter call this function.
+
+Sources: Megatron-LM ``megatron/training/initialize.py`` (``_initialize_distributed``,
+``_set_random_seed``); megatron-core ``parallel_state.py``, ``tensor_parallel/random.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                           seed: int = 1234) -> dict[str, int]:
+    """Process group, megatron-core model-parallel groups and seeded RNGs, as pretrain_gpt does.
+
+    Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them a
+    single process (a free port on localhost; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
+    :mod:`helpers.cpu_compat` shims). Seeds: Python/NumPy/torch with ``seed + 100 * pp_rank``
+    and megatron's tracker with ``model_parallel_cuda_manual_seed`` (Megatron-LM
+    ``_set_random_seed``).
+
+    Returns:
+        ``{"rank", "world_size", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank"}``.
+
+    Raises:
+        ValueError: world size not divisible by TP x PP.
+    """
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from helpers import cpu_compat
+    from helpers.launch import free_port
+
+    cpu_compat.apply()
+    under_torchrun = "RANK" in os.environ
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else 1
+    mp = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world_size % mp:
+        raise ValueError(
+            f"{world_size} processes cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
+            f"= {mp}: launch a multiple of {mp} processes (--nproc_per_node)"
+        )
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if under_torchrun:
+            dist.init_process_group(backend)
+        else:  # one process; leave os.environ alone so child processes do not inherit a rendezvous
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    stream_seed = seed + 100 * pp_rank
+    random.seed(stream_seed)
+    np.random.seed(stream_seed)
+    torch.manual_seed(stream_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stream_seed, force_reset_rng=True)
+    return {
+        "rank": dist.get_rank(), "world_size": world_size,
+        "tp": tensor_model_parallel_size, "pp": pipeline_model_parallel_size,
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "pp_rank": pp_rank,
+        "dp_rank": parallel_state.get_data_parallel_rank(),
+    }
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron-core's groups and the process group (safe to call twice)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
