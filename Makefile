@@ -13,10 +13,10 @@ PYTEST_ARGS ?=
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
 # interpreter tools/find-python picks, or make stops with its message and creates nothing.
 venv-python:
-	@if [ -x $(PY) ]; then \
-	    v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	@if [ -e $(VENV) ]; then \
+	    v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
 	    case "$$v" in 3.12|3.13) ;; *) \
-	        echo "$(VENV) was made with Python $$v; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
+	        echo "$(VENV) was made with $${v:+Python $$v}$${v:-an interpreter that no longer runs ($(PY))}; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
 	        echo "Remove it and rerun: rm -rf $(VENV) && make $(MAKECMDGOALS)" >&2; exit 1;; esac; \
 	else \
 	    py=$$(PYTHON="$(PYTHON)" tools/find-python) || exit 1; \

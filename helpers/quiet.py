@@ -14,7 +14,7 @@ and every torchrun entry point (``-m helpers.training``)::
     import helpers                # or: from helpers import ...
     import megatron.core          # megatron.core.__version__ == "0.19.2", no warnings
 
-To see everything megatron-core prints, set ``HELPERS_QUIET=0`` in the environment first.
+To see everything megatron-core prints, set ``HELPERS_QUIET=0`` (or ``false``) in the environment first.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def apply() -> None:
     Must run before ``import megatron.core`` to hide its import-time warnings. Does nothing when
     the environment sets ``HELPERS_QUIET=0``.
     """
-    if _state["applied"] or os.environ.get("HELPERS_QUIET") == "0":
+    if _state["applied"] or os.environ.get("HELPERS_QUIET", "").lower() in ("0", "false", "no", "off"):
         return
     os.environ.setdefault("NO_VCS_VERSION", "1")
     for m in KNOWN:

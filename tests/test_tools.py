@@ -128,6 +128,26 @@ def test_ngc_requirements_keep_the_containers_torch_and_constrained_pins():
                      "Typing_Extensions==4.15: skipped, the container pins typing-extensions==4.12.2"]
 
 
+def test_a_missing_constraint_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        ngc_requirements.constraint_files({"PIP_CONSTRAINT": f"{tmp_path}/nope.txt"})
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_refuses_a_venv_whose_interpreter_is_gone(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "tools").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    for name in ("Makefile", "requirements.txt", "pyproject.toml"):
+        shutil.copy(ROOT / name, repo / name)
+    shutil.copy(FIND_PYTHON, repo / "tools" / "find-python")
+    (repo / ".venv" / "bin" / "python").symlink_to(tmp_path / "uninstalled-python3.11")
+    out = subprocess.run(["make", "-C", str(repo), "install"], env={"PATH": str(_bin(tmp_path))},
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "an interpreter that no longer runs" in out.stderr
+    assert (repo / ".venv" / "bin" / "python").is_symlink(), "the old venv is reported, not touched"
+
+
 def test_ngc_requirements_script_reads_pip_constraint(tmp_path):
     constraint = tmp_path / "constraint.txt"
     constraint.write_text("numpy==1.26.4\n")

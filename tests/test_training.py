@@ -295,4 +295,5 @@ def test_03_results_in_the_smoke_series(series_run):
     assert isinstance(s["greedy_sample"], str) and s["greedy_sample"].startswith("import os")
     # Section 5's loop in cells and the torchrun script: the same losses, bit for bit (1 process, fp32).
     assert s["cells_vs_script_loss_difference"] == 0.0
+    assert s["cells_vs_script_grad_norm_difference"] == 0.0
     assert s["cells_checkpoint_logits_identical"] is True

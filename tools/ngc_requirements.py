@@ -43,8 +43,16 @@ def pinned_names(lines: list[str]) -> dict[str, str]:
 
 
 def constraint_files(environ: dict[str, str]) -> list[Path]:
-    """The files ``PIP_CONSTRAINT`` names (space-separated, as pip reads it) that exist."""
-    return [Path(p) for p in environ.get("PIP_CONSTRAINT", "").split() if Path(p).is_file()]
+    """The files ``PIP_CONSTRAINT`` names (space-separated, as pip reads it).
+
+    Raises:
+        FileNotFoundError: a named file does not exist (pip itself would stop on it).
+    """
+    files = [Path(p) for p in environ.get("PIP_CONSTRAINT", "").split()]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"PIP_CONSTRAINT names {missing}, which do not exist: fix or unset PIP_CONSTRAINT")
+    return files
 
 
 def ngc_requirements(requirements: list[str], constraints: list[str]) -> tuple[list[str], list[str]]:
@@ -65,7 +73,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print(f"usage: {argv[0]} requirements.txt > requirements-ngc.txt", file=sys.stderr)
         return 2
-    files = constraint_files(dict(os.environ))
+    try:
+        files = constraint_files(dict(os.environ))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     constraints = [line for f in files for line in f.read_text().splitlines()]
     keep, notes = ngc_requirements(Path(argv[1]).read_text().splitlines(), constraints)
     where = ", ".join(map(str, files)) or "none (PIP_CONSTRAINT unset)"
