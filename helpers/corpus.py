@@ -326,10 +326,3 @@ def read_contents(path: str | os.PathLike, text_key: str = CONTENT_KEY) -> list[
             raise ValueError(f"{where}: the line is not valid UTF-8")
         texts.append(text)
     return texts
-
-
-def markdown_table(headers: list[str], rows: Iterable[Iterable[object]]) -> str:
-    """A Markdown table (for ``IPython.display.Markdown``) from headers and rows."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)

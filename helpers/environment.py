@@ -185,14 +185,10 @@ def report() -> list[Component]:
 
 
 def report_table(rows: list[Component] | None = None) -> str:
-    """The report as a fixed-width text table (one line per component)."""
-    rows = report() if rows is None else rows
-    table = [r.as_row() for r in rows]
-    headers = list(table[0])
-    widths = {h: max(len(h), *(len(str(t[h])) for t in table)) for h in headers}
-    lines = ["  ".join(h.ljust(widths[h]) for h in headers), "  ".join("-" * widths[h] for h in headers)]
-    lines += ["  ".join(str(t[h]).ljust(widths[h]) for h in headers) for t in table]
-    return "\n".join(lines)
+    """The report as a Markdown table (one line per component)."""
+    from helpers.results import markdown_table
+
+    return markdown_table([r.as_row() for r in (report() if rows is None else rows)])
 
 
 def allreduce_main() -> None:

@@ -176,9 +176,8 @@ def suppressed() -> dict[str, int]:
 
 
 def table() -> str:
-    """:data:`KNOWN` as a markdown table (notebook 00): message, source, what it means here."""
-    rows = ["| message starts with | emitted by | what it means here |", "| --- | --- | --- |"]
-    for m in KNOWN:
-        text = m.pattern.replace("\\.", ".").replace("`", "")
-        rows.append(f"| {text} | {m.source} | {m.meaning} |")
-    return "\n".join(rows)
+    """:data:`KNOWN` as a Markdown table (notebook 00): message, source, what it means here."""
+    from helpers.results import markdown_table
+
+    rows = [[m.pattern.replace("\\.", ".").replace("`", ""), m.source, m.meaning] for m in KNOWN]
+    return markdown_table(rows, ["message starts with", "emitted by", "what it means here"])

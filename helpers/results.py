@@ -1,4 +1,4 @@
-"""Recorded results of a run: ``summary.json`` and figures in the run folder.
+"""Recorded results of a run: ``summary.json``, figures, and the one table formatter.
 
 Every notebook records its key results with :func:`record`; the series runner adds each
 notebook's wall time. Tests and benchmarks read the same file back with :func:`load_summary`.
@@ -16,7 +16,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Mapping, Sequence
 
 SUMMARY_FILE = "summary.json"
 
@@ -113,3 +113,33 @@ def save_figure(fig, run_dir: str | os.PathLike, name: str) -> Path:
     path = figure_path(run_dir, name)
     fig.savefig(path, dpi=150, bbox_inches="tight")
     return path
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]] | Iterable[Sequence[Any]],
+                   headers: Sequence[str] | None = None, *, digits: int = 4) -> str:
+    """A Markdown table (for ``IPython.display.Markdown``): the series' one table formatter.
+
+    Args:
+        rows: dicts sharing their keys (the keys are the headers), or sequences with ``headers``.
+        headers: column names; default the first dict's keys.
+        digits: significant digits of float cells (``0.000123`` -> ``0.000123``, ``1234.5`` -> ``1234``).
+
+    Raises:
+        ValueError: no rows and no headers, or sequences without ``headers``.
+    """
+    rows = list(rows)
+    if headers is None:
+        if not rows or not isinstance(rows[0], Mapping):
+            raise ValueError("markdown_table needs dict rows, or headers= for sequence rows")
+        headers = list(rows[0])
+    if rows and isinstance(rows[0], Mapping):
+        rows = [[r.get(h, "") for h in headers] for r in rows]
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float) and not isinstance(v, bool):
+            return f"{v:.{digits}g}" if v == 0 or abs(v) < 10 ** digits else f"{v:.0f}"
+        return str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(map(str, headers)) + " |", "|" + " --- |" * len(headers)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -15,6 +15,12 @@ A profile maps notebook stems (or ``"all"``, for every notebook that has the par
 parameter overrides. A notebook's own defaults are the ``cpu`` profile. Overrides given with
 ``-p name=value`` go to every notebook that defines ``name``; ``-p NN_stem.name=value`` to one.
 Unknown names are an error that lists the valid ones (papermill itself only warns).
+
+Stages: :data:`PRODUCES` says which files of the run folder each notebook writes for later
+ones and :data:`NEEDS` which notebooks each one reads from. ``run --only 06`` runs the missing
+ones first (01 and 03) with the same profile; a notebook opened alone in Jupyter calls
+:func:`require`, which does the same or, with ``build=False``, prints the exact command.
+This is the one place that knows the order of the stages: no notebook rebuilds another's output.
 """
 
 from __future__ import annotations
@@ -70,6 +76,20 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
                           "split": "90,8,2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                           "seq_length": 64, "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12},
     },
+}
+
+#: The files of a run folder that each notebook makes for later notebooks.
+PRODUCES: dict[str, tuple[str, ...]] = {
+    "01_data_preprocessing": ("data/data_manifest.json",),
+    "03_training": ("checkpoints/latest_checkpointed_iteration.txt", "training_summary.json"),
+}
+
+#: The notebooks whose files each notebook reads (direct needs; :func:`stages_needed` follows them).
+NEEDS: dict[str, tuple[str, ...]] = {
+    "02_data_loader": ("01_data_preprocessing",),
+    "03_training": ("01_data_preprocessing",),
+    "05_parallelism": ("01_data_preprocessing",),
+    "06_conversion": ("01_data_preprocessing", "03_training"),
 }
 
 #: Per-cell timeout (seconds) for papermill, by profile.
@@ -219,6 +239,60 @@ def resolve_parameters(
     return resolved
 
 
+def stages_needed(stem: str, run_dir: str | os.PathLike) -> list[str]:
+    """The notebooks (in series order) to run before ``stem`` because their files are missing.
+
+    Follows :data:`NEEDS` transitively (06 needs 03, which needs 01); a stage whose files in
+    :data:`PRODUCES` all exist in ``run_dir`` is not needed again.
+    """
+    folder = Path(run_dir).expanduser()
+    todo: set[str] = set()
+
+    def visit(s: str) -> None:
+        for need in NEEDS.get(s, ()):
+            if not all((folder / f).exists() for f in PRODUCES.get(need, ())):
+                todo.add(need)
+                visit(need)
+
+    visit(stem)
+    return sorted(todo)
+
+
+def require(stem: str, run_dir: str | os.PathLike, profile: str | None = None, *, build: bool = True) -> Path:
+    """Make sure the files notebook ``stem`` reads are in ``run_dir``; run the missing stages.
+
+    The first code cell of notebooks 02, 03, 05 and 06 calls this. Under the runner it finds
+    everything in place (the runner ran the stages in order). Opened alone in Jupyter, it
+    runs each missing notebook with papermill into ``{run_dir}/executed/`` with the same
+    ``profile``, exactly as ``python -m helpers.series run --only NN`` would.
+
+    Args:
+        stem: the calling notebook, e.g. ``"06_conversion"``.
+        run_dir: the run folder.
+        profile: the profile to run missing stages with (default :func:`default_profile`).
+        build: ``False``: do not run anything; raise with the command instead.
+
+    Returns:
+        The run folder, resolved.
+
+    Raises:
+        FileNotFoundError: (``build=False``) a needed stage is missing; the message is the command.
+    """
+    folder = Path(run_dir).expanduser().resolve()
+    missing = stages_needed(stem, folder)
+    if not missing:
+        return folder
+    profile = profile or default_profile()
+    numbers = " ".join(m.split("_")[0] for m in missing)
+    command = f"python -m helpers.series run --profile {profile} --run-dir {folder} --only {numbers}"
+    if not build:
+        files = [f for m in missing for f in PRODUCES.get(m, ())]
+        raise FileNotFoundError(f"{stem} reads {files} from {folder}, made by {missing}: run\n  {command}")
+    print(f"{stem} needs {', '.join(missing)} first (their files are not in {folder}); running:\n  {command}", flush=True)
+    run(profile, run_dir=folder, only=missing)
+    return folder
+
+
 def _point_latest(run_folder: Path) -> None:
     latest = run_folder.parent / "latest"
     tmp = run_folder.parent / f".latest.{os.getpid()}"
@@ -267,6 +341,12 @@ def run(
     if run_dir is None:
         run_dir = RUNS_DIR / f"{profile}-{datetime.now():%Y%m%d-%H%M%S}"
     folder = Path(run_dir).expanduser().resolve()
+    stems = {p.stem for p in selected}
+    before = sorted({s for p in selected for s in stages_needed(p.stem, folder)} - stems)
+    if before:
+        print(f"Also running {', '.join(before)} first: the selected notebooks read their files, "
+              f"which {folder} lacks.", flush=True)
+        selected = sorted(selected + [p for p in notebooks() if p.stem in before])
     params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
     results.run_path(folder)
     if folder.parent.resolve() == RUNS_DIR.resolve():

@@ -171,8 +171,6 @@ def test_write_jsonl_round_trip_and_no_overwrite(tmp_path):
         corpus.write_jsonl(docs, tmp_path / "nope" / "x.json")
 
 
-def test_markdown_table():
-    assert corpus.markdown_table(["a", "b"], [[1, 2]]) == "| a | b |\n|---|---|\n| 1 | 2 |"
 
 
 def test_empty_jsonl_says_it_holds_no_documents(tmp_path):

@@ -68,3 +68,11 @@ def test_atomic_writes_are_readable_by_others(tmp_path):
         os.umask(old)
     for name in (results.SUMMARY_FILE, "c.json", preprocess.MANIFEST_NAME, "t.txt"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+
+
+def test_markdown_table_from_dicts_and_from_rows_with_headers():
+    assert results.markdown_table([[1, 2]], ["a", "b"]) == "| a | b |\n| --- | --- |\n| 1 | 2 |"
+    text = results.markdown_table([{"op": "gelu", "ms": 0.000123456, "big": 123456.7, "pipe": "a|b"}])
+    assert text.splitlines()[2] == "| gelu | 0.0001235 | 123457 | a\\|b |"
+    with pytest.raises(ValueError, match="headers="):
+        results.markdown_table([[1, 2]])

@@ -104,3 +104,28 @@ def test_only_selects_by_number(tiny_series):
     assert [r.stem for r in done] == ["01_second"]
     with pytest.raises(series.ParameterError, match="no such notebook"):
         series.run("tiny", run_dir=tiny_series.parent / "runs" / "t3", only=["07"])
+
+
+def test_stages_needed_follows_needs_and_skips_stages_whose_files_exist(tmp_path):
+    assert series.stages_needed("06_conversion", tmp_path) == ["01_data_preprocessing", "03_training"]
+    assert series.stages_needed("04_fused_kernels", tmp_path) == []
+    for f in series.PRODUCES["01_data_preprocessing"]:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("{}")
+    assert series.stages_needed("06_conversion", tmp_path) == ["03_training"]
+    assert series.stages_needed("02_data_loader", tmp_path) == []
+
+
+def test_require_without_build_names_the_exact_command(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        series.require("06_conversion", tmp_path, "smoke", build=False)
+    text = str(err.value)
+    assert f"python -m helpers.series run --profile smoke --run-dir {tmp_path.resolve()} --only 01 03" in text
+    assert "data/data_manifest.json" in text
+    assert not any(tmp_path.iterdir()), "require(build=False) made files"
+
+
+def test_every_stage_named_is_a_notebook():
+    stems = {p.stem for p in series.notebooks()}
+    assert set(series.PRODUCES) <= stems
+    assert set(series.NEEDS) <= stems and all(set(v) <= stems for v in series.NEEDS.values())
