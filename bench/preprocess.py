@@ -117,7 +117,8 @@ def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int,
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported inside the call: keep it out of the phase)
     import tqdm.auto  # noqa: F401
 
-    from helpers.preprocess import resolve_engine, tokenize_to_indexed_dataset
+    from helpers.encoders import resolve_engine
+    from helpers.preprocess import tokenize_to_indexed_dataset
 
     if resolve_engine(engine) == "gigatoken":
         import awkward  # noqa: F401
@@ -249,7 +250,7 @@ def input_file(jsonl: Path, copies: int, out_dir: Path) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the preprocessing benchmark (see the module docstring); returns the result dict."""
-    from helpers.preprocess import ensure_data
+    from helpers.preprocess import build_data
 
     sides = list(SIDES)
     tool = check_megatron_checkout(args.megatron_lm)
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "Make the venv of bench/README.md."
         )
     run_dir = Path(args.run_dir).expanduser().resolve()
-    paths = ensure_data(run_dir, stop_after="tokenizer", progress=False, source=args.source,
+    paths = build_data(run_dir, stop_after="tokenizer", progress=False, source=args.source,
                         max_files=args.max_files)
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -266,7 +266,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         SystemExit: ``--device cuda`` without a CUDA GPU (the message says what runs instead).
     """
-    from helpers.preprocess import ensure_data
+    from helpers.preprocess import build_data
 
     if args.device == "cuda" and not cuda_available():
         raise SystemExit(
@@ -277,7 +277,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     profile = "codeparrot-small" if args.device == "cuda" else "cpu"
     run_dir = Path(args.run_dir or common.ROOT / "runs" / ("bench" if profile == "cpu" else "bench-codeparrot-small"))
     vocab = 8192 if profile == "cpu" else 32768
-    paths = ensure_data(run_dir, vocab_size=vocab, progress=False)
+    paths = build_data(run_dir, vocab_size=vocab, progress=False)
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     opts = {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,

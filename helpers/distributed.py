@@ -24,7 +24,7 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     """Process group, megatron-core model-parallel groups and seeded RNGs, as pretrain_gpt does.
 
     Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them a
-    single process (a free port on localhost; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
+    single process (an in-memory ``HashStore``, no port; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
     :mod:`helpers.cpu_compat` shims). Seeds: Python/NumPy/torch with ``seed + 100 * pp_rank``
     and megatron's tracker with ``model_parallel_cuda_manual_seed`` (Megatron-LM
     ``_set_random_seed``).
@@ -46,7 +46,6 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     import torch.distributed as dist
 
     from helpers import cpu_compat
-    from helpers.launch import free_port
 
     cpu_compat.apply()
     under_torchrun = "RANK" in os.environ
@@ -64,7 +63,7 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
         if under_torchrun:
             dist.init_process_group(backend)
         else:  # one process; leave os.environ alone so child processes do not inherit a rendezvous
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():

@@ -168,7 +168,7 @@ def report() -> list[Component]:
     rows.append(Component("megatron-core", mcore is not None, mcore or "-", "-" if mcore else "install requirements.txt"))
     tf = package_version("transformers")
     rows.append(Component("transformers", tf is not None, tf or "-", "-" if tf else "install requirements.txt"))
-    from helpers.preprocess import resolve_engine
+    from helpers.encoders import resolve_engine
 
     giga = package_version("gigatoken") if resolve_engine("auto") == "gigatoken" else None
     rows.append(Component("gigatoken", giga is not None, giga or "-",

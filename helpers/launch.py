@@ -15,12 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import json
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 class LaunchError(RuntimeError):
@@ -234,3 +235,88 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+@dataclass
+class TrainingResult:
+    """What :func:`train` returns: the summary, the metrics and the launch's wall time (s)."""
+
+    summary: dict[str, Any]
+    metrics: dict[str, list[dict[str, Any]]]
+    wall_seconds: float
+    skipped: bool
+    log: list[str]
+
+
+_ITER_LINE = "iteration "
+
+
+def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
+           master_port: int | None = None, progress: bool = True, echo: bool = False,
+           config_name: str = "run.json", env: dict[str, str] | None = None) -> TrainingResult:
+    """Write ``run.json`` into the run folder and run the training script under torchrun, with a progress bar.
+
+    ``cfg`` is a :class:`helpers.training_config.TrainingConfig`; the command is
+    ``python -m torch.distributed.run --nproc_per_node N -m helpers.training --config run.json``.
+
+    Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
+    The config, and an existing checkpoint's model shape, are checked here first, so bad
+    input fails before any process starts.
+
+    Args:
+        cfg: the run; ``nproc_per_node`` must be a multiple of TP x PP.
+        nproc_per_node: processes (one per GPU on a GPU machine).
+        timeout_s: wall-clock limit (s); past it every process is killed.
+        master_port: rendezvous port (a free one by default).
+        progress: show a tqdm bar over iterations; ``echo`` also prints every log line.
+        env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
+            bit-identical only between runs with the same thread count).
+
+    Raises:
+        ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
+        checkpointing.CheckpointMismatchError: the checkpoint folder holds another model shape.
+        helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
+    """
+    from tqdm.auto import tqdm
+
+    from helpers import checkpointing
+    from helpers.training_config import read_metrics
+
+    cfg.check(nproc_per_node)
+    latest = checkpointing.latest_iteration(cfg.checkpoint_path)
+    summary_path = cfg.summary_file
+    if latest is not None:
+        saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
+        checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
+    if latest is not None and latest >= cfg.train_iters and summary_path.exists():
+        return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
+    config_path = cfg.to_json(cfg.run_path / config_name)
+    bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
+    info: dict[str, str] = {}
+
+    def on_line(line: str) -> None:
+        stripped = line.strip()
+        if bar is not None and stripped.startswith(_ITER_LINE):
+            try:
+                it = int(stripped.split()[1].split("/")[0])
+            except (IndexError, ValueError):
+                it = None
+            if it is not None:
+                bar.update(it - bar.n)
+                if "lm loss:" in stripped:
+                    info["loss"] = stripped.split("lm loss:")[1].split("|")[0].strip()
+                    bar.set_postfix(loss=float(info["loss"]))
+        if echo or (bar is None and stripped):
+            print(line, flush=True)
+        elif stripped.startswith((">", "validation", "saved", "exiting")):
+            (bar.write if bar is not None else print)(stripped)
+
+    try:
+        res = torchrun(["helpers.training", "--config", str(config_path)], nproc_per_node=nproc_per_node,
+                                  timeout_s=timeout_s, master_port=master_port, on_line=on_line,
+                                  log_path=cfg.run_path / "training.log", env=env)
+    finally:
+        if bar is not None:
+            bar.close()
+    summary = json.loads(summary_path.read_text())
+    return TrainingResult(summary, read_metrics(cfg.metrics_file), res.wall_seconds, False, res.lines)

@@ -20,6 +20,10 @@ import torch
 #: torch's single fused kernel per group (CPU and CUDA); Apex ``FusedAdam`` (CUDA only).
 ADAMW_IMPLEMENTATIONS = ("for-loop", "foreach", "fused", "apex-fused")
 
+#: The call each implementation is (what a training log names).
+ADAMW_CALLS = {"for-loop": "torch.optim.AdamW(foreach=False)", "foreach": "torch.optim.AdamW(foreach=True)",
+               "fused": "torch.optim.AdamW(fused=True)", "apex-fused": "apex.optimizers.FusedAdam(adam_w_mode=True)"}
+
 #: Tried in this order when nothing else is said (notebook 04 measures why: on 2 CPU cores
 #: fused is ~4x faster than for-loop and foreach; on GPUs Apex's and torch's fused are both one
 #: multi-tensor kernel).

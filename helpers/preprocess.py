@@ -10,43 +10,33 @@ end-of-document token (``--append-eod``), and write
 * ``<prefix>.idx``: a header, the dtype, the length of every sequence, the byte offset of
   every sequence and the document boundaries.
 
-Two tokenizing engines give byte-identical files from the same ``tokenizer.json``:
-
-* ``"gigatoken"``: the Rust BPE encoder that Megatron-LM's newer
-  ``tools/preprocess_data_fast.py`` uses (PyPI ``gigatoken``, pinned in requirements.txt);
-  it encodes a whole batch of documents on its own thread pool, 15-40x faster than
-  ``"tokenizers"`` here (bench/RESULTS.md);
-* ``"tokenizers"``: Hugging Face ``tokenizers`` in worker threads, what Megatron-LM's
-  ``HuggingFaceTokenizer`` runs inside ``preprocess_data.py``'s worker processes.
-
-``engine="auto"`` (the default) takes gigatoken when it is importable, else tokenizers.
+Two tokenizing engines (:mod:`helpers.encoders`: gigatoken, or HF ``tokenizers`` in threads) give
+byte-identical files; notebook 01 writes the same files with a dozen lines of megatron-core calls.
 
 Here every document is one sequence (as with ``--append-eod`` and no sentence splitting).
 Empty documents are skipped and counted (Megatron-LM's newer ``preprocess_data_fast.py``
 would store them as a lone EOD token); the corpus writer never writes any.
 
-:func:`ensure_data` chains the whole stage (corpus -> JSON Lines -> tokenizer -> .bin/.idx)
-into one run folder and skips every step whose output already exists, so notebooks 03-06
-can call it and run on their own.
+:func:`build_data` is notebook 01's stage (corpus -> JSON Lines -> tokenizer -> .bin/.idx) in one
+run folder, skipping every step whose output already exists; later notebooks read its outputs
+back with :func:`data_paths` after ``helpers.series.require``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from helpers import corpus as corpus_mod
 from helpers import results
 from helpers import tokenizer as tokenizer_mod
+from helpers.encoders import encode_documents, resolve_engine
 
 #: Names inside ``{run_dir}/data`` (the guide's names; see the run-folder layout in the README).
 DATA_DIR = "data"
@@ -55,81 +45,11 @@ TOKENIZER_DIR = "tokenizer"
 PREFIX_NAME = "codeparrot_content_document"
 MANIFEST_NAME = "data_manifest.json"
 
-#: Defaults of :func:`ensure_data` when neither the caller nor an existing run folder says otherwise.
+#: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
 DEFAULT_SETTINGS: dict[str, Any] = {
     "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
     "split": "969,30,1", "seed": 1234,
 }
-
-
-# --------------------------------------------------------------------------- tokenizing workers
-@contextlib.contextmanager
-def _environ(name: str, value: str | None, *, keep_existing: bool = False) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block, then the old state back.
-
-    ``value=None``, or ``keep_existing`` with ``name`` already set, leaves the variable alone.
-    """
-    old = os.environ.get(name)
-    if value is None or (keep_existing and old is not None):
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def _tokenizers_parallelism(enabled: bool):
-    """Set ``TOKENIZERS_PARALLELISM`` for the block (HF tokenizers reads it at every call)."""
-    return _environ("TOKENIZERS_PARALLELISM", "true" if enabled else "false")
-
-
-def _rayon_threads(num_workers: int):
-    """``RAYON_NUM_THREADS=num_workers`` for the block unless already set (0: leave rayon's default).
-
-    gigatoken's Rust thread pool reads it once, when its first parallel call starts the pool;
-    the variable is restored afterwards so that it does not cap other Rust libraries (HF
-    ``tokenizers`` has a pool of its own) for the rest of the process.
-    """
-    return _environ("RAYON_NUM_THREADS", str(num_workers) if num_workers >= 1 else None, keep_existing=True)
-
-
-#: Tokenizing engines of :func:`tokenize_to_indexed_dataset` (``"auto"`` picks one of the others).
-ENGINES = ("auto", "gigatoken", "tokenizers")
-
-#: Documents per gigatoken call: bounds the memory of one batch and paces the progress bar.
-GIGATOKEN_BATCH_DOCUMENTS = 4096
-
-
-def resolve_engine(engine: str = "auto") -> str:
-    """The tokenizing engine that ``engine`` stands for: ``"gigatoken"`` or ``"tokenizers"``.
-
-    ``"auto"`` is ``"gigatoken"`` when ``gigatoken`` and ``awkward`` (its array library) are
-    importable, else ``"tokenizers"`` (always installed with transformers).
-
-    Raises:
-        ValueError: ``engine`` is not one of :data:`ENGINES`.
-        ModuleNotFoundError: ``engine="gigatoken"`` but it is not installed (the message says
-            how to install it, or to pass ``engine="tokenizers"``).
-    """
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: use one of {', '.join(map(repr, ENGINES))}")
-    has_gigatoken = all(importlib.util.find_spec(m) is not None for m in ("gigatoken", "awkward"))
-    if engine == "gigatoken" and not has_gigatoken:
-        raise ModuleNotFoundError("engine='gigatoken' needs the packages gigatoken and awkward: "
-                                  "pip install -r requirements.txt (or pass engine='tokenizers')")
-    if engine == "auto":
-        return "gigatoken" if has_gigatoken else "tokenizers"
-    return engine
-
-
-def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield list(items[start:start + size])
 
 
 @dataclass
@@ -261,8 +181,7 @@ def tokenize_to_indexed_dataset(
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
         bar = tqdm(total=len(kept), unit="doc", desc="tokenize", disable=not progress)
-        encoded = (_gigatoken_chunks(kept, tokenizer_dir, num_workers) if engine == "gigatoken"
-                   else _encoded_chunks(kept, tokenizer_dir, num_workers, chunk_size))
+        encoded = encode_documents(kept, tokenizer_dir, engine, num_workers, chunk_size)
         for ids_list in encoded:
             for ids in ids_list:
                 if append_eod:
@@ -283,52 +202,6 @@ def tokenize_to_indexed_dataset(
         num_tokens=num_tokens, input_bytes=input_bytes, bin_bytes=Path(f"{prefix}.bin").stat().st_size,
         dtype=np.dtype(dtype).name, seconds=seconds, num_workers=num_workers, engine=engine,
     )
-
-
-def _encoded_chunks(texts: list[str], tokenizer_dir, num_workers: int, chunk_size: int) -> Iterator[list[np.ndarray]]:
-    """Token ids per document, in input order, chunk by chunk.
-
-    ``num_workers >= 1``: that many threads, each encoding whole chunks with one core (HF
-    ``tokenizers`` releases the GIL while encoding, so the threads run in parallel, like the
-    worker processes of Megatron's tool but without starting processes). ``0``: one call per
-    chunk with ``tokenizers``' own thread pool (all cores).
-    """
-    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
-
-    def encode(chunk: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(chunk)]
-
-    if num_workers <= 0:
-        with _tokenizers_parallelism(True):
-            for chunk in _chunks(texts, max(chunk_size, 256)):
-                yield encode(chunk)
-        return
-    with _tokenizers_parallelism(False), ThreadPoolExecutor(num_workers) as pool:
-        yield from pool.map(encode, _chunks(texts, chunk_size))
-
-
-def _gigatoken_chunks(texts: list[str], tokenizer_dir, num_workers: int) -> Iterator[list[np.ndarray]]:
-    """Token ids per document, in input order, from gigatoken, :data:`GIGATOKEN_BATCH_DOCUMENTS` at a time.
-
-    As Megatron-LM's ``tools/preprocess_data_fast.py``: a ``gigatoken.Tokenizer`` built from
-    the folder's ``tokenizer.json`` encodes a batch on its Rust thread pool (GIL released)
-    into one ragged ``awkward`` array, here cut back into one numpy array per document. The
-    tokenizer is built without the file's ``added_tokens``, so a literal ``<|endoftext|>``
-    in a document stays text, as :func:`helpers.tokenizer.load_fast_tokenizer` encodes it
-    (``encode_special_tokens``); with them, gigatoken would turn it into the EOD id.
-    """
-    import awkward as ak
-    import gigatoken
-
-    spec = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text(encoding="utf-8"))
-    spec["added_tokens"] = []
-    tok = gigatoken.Tokenizer.from_json(json.dumps(spec))
-    for chunk in _chunks(texts, GIGATOKEN_BATCH_DOCUMENTS):
-        with _rayon_threads(num_workers):
-            docs = tok.encode_batch(chunk, parallel=num_workers != 1)
-        flat = np.asarray(ak.flatten(docs)).astype(np.int64)
-        ends = np.cumsum(np.asarray(ak.num(docs, axis=1)))
-        yield np.split(flat, ends[:-1])
 
 
 # --------------------------------------------------------------------------- reading back
@@ -376,48 +249,8 @@ def open_indexed_dataset(prefix: str | os.PathLike):
 
     missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not Path(p).is_file()]
     if missing:
-        raise FileNotFoundError(f"{missing} not found: run helpers.preprocess.ensure_data (notebook 01) first")
+        raise FileNotFoundError(f"{missing} not found: run notebook 01 first (python -m helpers.series run --only 01)")
     return IndexedDataset(str(prefix))
-
-
-def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True,
-                    tokenizer=None) -> str:
-    """Text of document ``index`` of an ``IndexedDataset``, decoded with the folder's tokenizer.
-
-    With ``strip_eod`` the trailing EOD token appended by preprocessing is removed first.
-    Pass ``tokenizer`` (from :func:`helpers.tokenizer.load_fast_tokenizer`) to decode many
-    documents without reloading it each time.
-    """
-    tok = tokenizer if tokenizer is not None else tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
-    ids = [int(i) for i in dataset[index]]
-    if strip_eod and ids and ids[-1] == tok.token_to_id(tokenizer_mod.EOD_TOKEN):
-        ids = ids[:-1]
-    return tok.decode(ids, skip_special_tokens=False)
-
-
-def verify_read_back(prefix: str | os.PathLike, jsonl: str | os.PathLike, tokenizer_dir: str | os.PathLike,
-                     indices: Sequence[int] | None = None) -> int:
-    """Check that stored documents decode back to the JSON Lines texts; returns how many were checked.
-
-    Args:
-        indices: documents to check (default: all).
-
-    Raises:
-        ValueError: document counts differ, or a document decodes to a different text (the
-            message names its index and the first differing character).
-    """
-    texts = corpus_mod.read_contents(jsonl)
-    ds = open_indexed_dataset(prefix)
-    if len(ds) != len(texts):
-        raise ValueError(f"{prefix}.idx holds {len(ds)} documents but {jsonl} has {len(texts)} lines")
-    tok = tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
-    indices = range(len(texts)) if indices is None else indices
-    for i in indices:
-        decoded = decode_document(ds, i, tokenizer_dir, tokenizer=tok)
-        if decoded != texts[i]:
-            at = next((k for k, (a, b) in enumerate(zip(decoded, texts[i])) if a != b), min(len(decoded), len(texts[i])))
-            raise ValueError(f"document {i} of {prefix} decodes to a different text (first difference at character {at})")
-    return len(indices)
 
 
 # --------------------------------------------------------------------------- the cached pipeline
@@ -463,7 +296,7 @@ def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, data_dir / MANIFEST_NAME)
 
 
-def ensure_data(
+def build_data(
     run_dir: str | os.PathLike,
     *,
     source: str | os.PathLike | None = None,
@@ -477,7 +310,7 @@ def ensure_data(
     stop_after: str | None = None,
     engine: str = "auto",
 ) -> DataPaths:
-    """Make (or reuse) the whole data stage in ``{run_dir}/data``; idempotent and cached.
+    """Notebook 01's stage: make (or reuse) the whole data stage in ``{run_dir}/data``; cached.
 
     Steps, each skipped when its output exists: collect and clean the corpus
     (:func:`helpers.corpus.collect_corpus`) -> ``codeparrot_data.json`` -> train the BPE on
@@ -487,8 +320,9 @@ def ensure_data(
 
     A setting left ``None`` means "what this run folder was made with", or the default of
     :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
-    vocab 8192, split ``969,30,1``, seed 1234). So notebooks 03-06 call ``ensure_data(run_dir)``
-    and get whatever notebook 01 made.
+    vocab 8192, split ``969,30,1``, seed 1234). Later notebooks do not call this: they call
+    ``helpers.series.require`` (which runs notebook 01 when its files are missing) and then
+    :func:`data_paths`.
 
     Args:
         run_dir: the run folder.
@@ -576,9 +410,9 @@ def ensure_data(
     has_tok = tokenizer_mod.tokenizer_exists(tok_dir)
     vocab = tokenizer_mod.vocab_size_of(tok_dir) if has_tok else settings["vocab_size"]
     if built:
-        print(f"ensure_data: built {', '.join(built)} in {data_dir}")
+        print(f"build_data: built {', '.join(built)} in {data_dir}")
     else:
-        print(f"ensure_data: reusing {data_dir} ({num_documents} documents, vocab {vocab}, split {settings['split']})")
+        print(f"build_data: reusing {data_dir} ({num_documents} documents, vocab {vocab}, split {settings['split']})")
     return DataPaths(jsonl=jsonl, tokenizer_dir=tok_dir, data_prefix=prefix, num_documents=num_documents,
                      vocab_size=vocab, split=settings["split"], settings=settings, built=built)
 
@@ -587,88 +421,28 @@ def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     """``{run_dir}/data/data_manifest.json`` (settings, cleaning counts, preprocessing stats).
 
     Raises:
-        FileNotFoundError: the data stage has not run in this folder.
+        FileNotFoundError: the data stage has not run in this folder (the message is the command).
     """
     manifest = _load_manifest(Path(run_dir).expanduser().resolve() / DATA_DIR)
     if manifest is None:
-        raise FileNotFoundError(f"{run_dir}/data/{MANIFEST_NAME} not found: run helpers.preprocess.ensure_data first")
+        raise FileNotFoundError(f"{run_dir}/data/{MANIFEST_NAME} not found: notebook 01 makes it "
+                                f"(python -m helpers.series run --only 01 --run-dir {run_dir})")
     return manifest
 
 
-@dataclass
-class CorpusDataset:
-    """A further corpus tokenized with the run's tokenizer (e.g. for blending in notebook 02).
-
-    Attributes:
-        jsonl: its loose JSON (``{run_dir}/data/<name>_data.json``).
-        data_prefix: its ``.bin/.idx`` prefix (``{run_dir}/data/<name>_content_document``).
-        num_documents: documents kept after cleaning.
-        removed: documents removed per cleaning filter (empty when the files were reused).
-        built: whether this call made the files.
-    """
-
-    jsonl: Path
-    data_prefix: Path
-    num_documents: int
-    removed: dict[str, int]
-    built: bool
-
-
-def ensure_corpus_dataset(
-    run_dir: str | os.PathLike,
-    name: str,
-    *,
-    source: str | os.PathLike,
-    tokenizer_dir: str | os.PathLike | None = None,
-    text_key: str = corpus_mod.CONTENT_KEY,
-    max_files: int | None = None,
-    seed: int = 1234,
-    num_workers: int = 2,
-    progress: bool = True,
-    engine: str = "auto",
-) -> CorpusDataset:
-    """Clean ``source`` and tokenize it into ``{run_dir}/data/<name>_content_document.bin/.idx``.
-
-    Cached like :func:`ensure_data` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
-    :func:`tokenize_to_indexed_dataset`); the tokenizer is
-    the run's own (``{run_dir}/data/tokenizer``, made by :func:`ensure_data` if missing)
-    unless ``tokenizer_dir`` is given, so the corpora can be blended.
+def data_paths(run_dir: str | os.PathLike) -> DataPaths:
+    """What notebook 01 left in ``{run_dir}/data``, read back without building anything.
 
     Raises:
-        ValueError: ``name`` is not a simple file name, or is the main corpus' name.
-        FileNotFoundError / ValueError: from :func:`helpers.corpus.collect_corpus`.
+        FileNotFoundError: notebook 01 has not finished in this folder (the message is the command).
     """
-    if not name or not name.replace("_", "").replace("-", "").isalnum() or name == "codeparrot":
-        raise ValueError(f"name={name!r}: use letters, digits, '_' or '-', and not 'codeparrot' (the main corpus)")
+    manifest = data_manifest(run_dir)
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
-    if tokenizer_dir is None:
-        tokenizer_dir = ensure_data(run_dir, progress=progress).tokenizer_dir
-    jsonl, prefix = data_dir / f"{name}_data.json", data_dir / f"{name}_content_document"
-    if Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file():
-        return CorpusDataset(jsonl, prefix, len(open_indexed_dataset(prefix)), {}, False)
-    result = corpus_mod.collect_corpus(source, text_key=text_key, max_files=max_files, seed=seed)
-    corpus_mod.write_jsonl(result.documents, jsonl, overwrite=True)
-    tokenize_to_indexed_dataset(jsonl, tokenizer_dir, prefix, num_workers=num_workers, progress=progress,
-                                overwrite=True, engine=engine)
-    return CorpusDataset(jsonl, prefix, len(result.documents), dict(result.removed), True)
-
-
-def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_dir: str = "Megatron-LM") -> str:
-    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as :func:`ensure_data`.
-
-    The guide's 2022 flags updated: ``--dataset-impl`` and ``--chunk-size`` are gone,
-    ``--vocab`` is now an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face
-    Hub, so the tokenizer folder is passed with ``HuggingFaceTokenizer``. The tool appends
-    ``_content_document`` to ``--output-prefix`` itself.
-    """
-    output = str(paths.data_prefix).removesuffix("_content_document")
-    return " \\\n    ".join([
-        f"python {megatron_dir}/tools/preprocess_data.py",
-        f"--input {paths.jsonl}",
-        f"--output-prefix {output}",
-        "--tokenizer-type HuggingFaceTokenizer",
-        f"--tokenizer-model {paths.tokenizer_dir}",
-        "--json-keys content",
-        f"--workers {workers}",
-        "--append-eod",
-    ])
+    prefix = data_dir / PREFIX_NAME
+    if "preprocess" not in manifest or not Path(f"{prefix}.idx").is_file():
+        raise FileNotFoundError(f"{prefix}.bin/.idx not found: notebook 01 makes them "
+                                f"(python -m helpers.series run --only 01 --run-dir {run_dir})")
+    return DataPaths(jsonl=data_dir / JSONL_NAME, tokenizer_dir=data_dir / TOKENIZER_DIR, data_prefix=prefix,
+                     num_documents=manifest["preprocess"]["num_documents"],
+                     vocab_size=manifest["tokenizer"]["vocab_size"], split=manifest["settings"]["split"],
+                     settings=manifest["settings"])

@@ -145,7 +145,7 @@ def load_fast_tokenizer(tokenizer_dir: str | os.PathLike):
 
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: train the tokenizer first (helpers.preprocess.ensure_data or notebook 01)")
+        raise FileNotFoundError(f"{path} not found: train the tokenizer first (notebook 01)")
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.encode_special_tokens = True
     return tokenizer
@@ -159,7 +159,7 @@ def vocab_size_of(tokenizer_dir: str | os.PathLike) -> int:
     """
     path = Path(tokenizer_dir) / "vocab.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: train the tokenizer first (helpers.preprocess.ensure_data or notebook 01)")
+        raise FileNotFoundError(f"{path} not found: train the tokenizer first (notebook 01)")
     with open(path, encoding="utf-8") as f:
         return len(json.load(f))
 
@@ -196,7 +196,7 @@ def load_tokenizer(tokenizer_dir: str | os.PathLike):
     folder = Path(tokenizer_dir)
     missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder} lacks {missing}: train the tokenizer with helpers.preprocess.ensure_data (notebook 01)")
+        raise FileNotFoundError(f"{folder} lacks {missing}: train the tokenizer in notebook 01")
     tok = AutoTokenizer.from_pretrained(str(folder))
     expected = vocab_size_of(folder)
     if len(tok) != expected:

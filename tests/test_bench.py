@@ -231,7 +231,7 @@ def test_count_pip_sources():
 
 
 def test_our_two_sides_name_their_engine_and_write_the_same_files(tmp_path, capsys):
-    from helpers import corpus, preprocess, tokenizer
+    from helpers import corpus, encoders, preprocess, tokenizer
 
     texts = ["def f(x):\n    return x + 1\n", "s = '<|endoftext|>'  # a literal EOD string\n",
              "class A:\n    pass\n" * 20, "import os\nprint(os.sep)\n"]
@@ -242,7 +242,7 @@ def test_our_two_sides_name_their_engine_and_write_the_same_files(tmp_path, caps
     for side, engine in bench_pre.ENGINE_OF.items():
         assert bench_pre.main(["_ours", str(jsonl), str(tok_dir), str(tmp_path / side), "2", engine]) == 0
         info[side] = common.read_result(capsys.readouterr().out)
-    assert info["ours"]["engine"] == preprocess.resolve_engine("auto")
+    assert info["ours"]["engine"] == encoders.resolve_engine("auto")
     assert info["ours_tokenizers"]["engine"] == "tokenizers"
     assert info["ours"]["num_documents"] == 4 and info["ours"]["num_tokens"] == info["ours_tokenizers"]["num_tokens"]
     same = bench_pre.compare_indexed_datasets(tmp_path / "ours", tmp_path / "ours_tokenizers")

@@ -17,11 +17,11 @@ CUDA_ERRORS = (AssertionError, RuntimeError)
 @pytest.fixture(scope="module")
 def dist1():
     """A one-process gloo group with megatron-core's parallel state (TP=PP=1), seeded."""
-    from helpers import training
+    from helpers import distributed
 
-    info = training.initialize_distributed(1, 1, seed=1234)
+    info = distributed.initialize_distributed(1, 1, seed=1234)
     yield info
-    training.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 def _tiny_model():

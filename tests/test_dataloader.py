@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from helpers import corpus, dataloader, preprocess
+from helpers.demos import dataset_indices
+from helpers.demos import preprocessing as preprocessing_demo
 
 SEQ = 32
 
@@ -14,7 +16,7 @@ SEQ = 32
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     run = tmp_path_factory.mktemp("dl") / "run"
-    return preprocess.ensure_data(run, max_files=40, vocab_size=400, split="8,1,1", progress=False)
+    return preprocess.build_data(run, max_files=40, vocab_size=400, split="8,1,1", progress=False)
 
 
 def _build(data, cache, **kw):
@@ -25,15 +27,15 @@ def _build(data, cache, **kw):
 
 def test_split_ranges_match_megatron(data, tmp_path):
     n = data.num_documents
-    ranges = dataloader.split_document_ranges(n, "8,1,1")
+    ranges = preprocess.split_document_ranges(n, "8,1,1")
     assert ranges[0] == (0, round(0.8 * n)) and ranges[2][1] == n
     train, valid, test = _build(data, tmp_path)
     for ds, rng in zip((train, valid, test), ranges):
         assert ds.indices.tolist() == list(range(*rng))
-    assert dataloader.split_document_ranges(300, "949,50,1")[2] == (300, 300)
-    assert dataloader.split_document_ranges(10, "9,1,0")[2] is None
+    assert preprocess.split_document_ranges(300, "949,50,1")[2] == (300, 300)
+    assert preprocess.split_document_ranges(10, "9,1,0")[2] is None
     with pytest.raises(ValueError, match="split="):
-        dataloader.split_document_ranges(10, "a,b")
+        preprocess.split_document_ranges(10, "a,b")
 
 
 def test_samples_are_megatron_shaped_and_read_the_bin(data, tmp_path):
@@ -47,19 +49,19 @@ def test_samples_are_megatron_shaped_and_read_the_bin(data, tmp_path):
         assert torch.equal(s["tokens"][1:], s["labels"][:-1])
         assert torch.equal(s["position_ids"], torch.arange(SEQ)) and bool((s["loss_mask"] == 1).all())
         j = int(train.shuffle_index[i])
-        parts = dataloader.sample_spans(train, [j])[0]
+        parts = dataset_indices.sample_spans(train, [j])[0]
         window = np.concatenate([ds[doc][off:off + n] for doc, off, n in parts]).astype(np.int64)
         assert window.tolist() == s["tokens"].tolist() + [int(s["labels"][-1])]
 
 
 def test_epochs_follow_the_requested_samples(data, tmp_path):
-    one = dataloader.index_summary(_build(data, tmp_path / "one", num_samples=(10, 20, 10))[0])
+    one = dataset_indices.index_summary(_build(data, tmp_path / "one", num_samples=(10, 20, 10))[0])
     tokens = one["num_tokens_per_epoch"]
     assert one["num_epochs"] == 1 and one["num_samples"] == (tokens - 1) // SEQ
     for fraction, separate in ((2.5, True), (2.9, False)):
         request = int(fraction * tokens / SEQ)
         train = _build(data, tmp_path / str(fraction), num_samples=(request, 20, 10))[0]
-        info = dataloader.index_summary(train)
+        info = dataset_indices.index_summary(train)
         assert info["num_epochs"] == 3 == -(-(request * SEQ + 1) // tokens)
         assert info["separate_final_epoch"] is separate
         assert info["num_samples"] >= request
@@ -87,7 +89,7 @@ def test_zero_weight_split_is_none(data, tmp_path):
 
 
 def test_cache_is_reused(data, tmp_path):
-    out = dataloader.timed_build_and_reuse(data.data_prefix, data.tokenizer_dir, tmp_path / "c",
+    out = dataset_indices.timed_build_and_reuse(data.data_prefix, data.tokenizer_dir, tmp_path / "c",
                                            seq_length=SEQ, split=data.split, num_samples=(100, 10, 10))
     assert len(out["files_written"]) == 12 and out["files_after_reuse"] == out["files_written"]
     assert {f.split("-", 2)[2] for f in out["files_written"]} >= {"train-document_index.npy", "test-shuffle_index.npy"}
@@ -95,7 +97,7 @@ def test_cache_is_reused(data, tmp_path):
     _build(data, tmp_path / "c", num_samples=(100, 10, 10))
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "c").iterdir()} == mtimes
     with pytest.raises(FileExistsError, match="not empty"):
-        dataloader.timed_build_and_reuse(data.data_prefix, data.tokenizer_dir, tmp_path / "c", seq_length=SEQ)
+        dataset_indices.timed_build_and_reuse(data.data_prefix, data.tokenizer_dir, tmp_path / "c", seq_length=SEQ)
 
 
 def test_bad_arguments(data, tmp_path):
@@ -103,7 +105,7 @@ def test_bad_arguments(data, tmp_path):
         _build(data, tmp_path, num_samples=(10, 10))
     with pytest.raises(ValueError, match="seq_length"):
         dataloader.build_gpt_datasets(data.data_prefix, data.tokenizer_dir, seq_length=0, split=data.split)
-    with pytest.raises(FileNotFoundError, match="ensure_data"):
+    with pytest.raises(FileNotFoundError, match="notebook 01"):
         dataloader.build_gpt_datasets(tmp_path / "missing", data.tokenizer_dir, seq_length=SEQ)
 
 
@@ -121,7 +123,7 @@ def test_tokenizer_adapter(data):
 
 
 def test_blend_follows_the_weights(data, tmp_path):
-    extra = preprocess.ensure_corpus_dataset(data.data_prefix.parent.parent, "email_pkg",
+    extra = preprocessing_demo.build_corpus_dataset(data.data_prefix.parent.parent, "email_pkg",
                                              source=corpus.stdlib_dir() / "email", progress=False)
     train, _, _ = dataloader.build_blended_gpt_datasets(
         [data.data_prefix, extra.data_prefix], [0.7, 0.3], data.tokenizer_dir, seq_length=SEQ,
@@ -135,8 +137,8 @@ def test_blend_follows_the_weights(data, tmp_path):
 def test_naive_loop_counts_epochs(data):
     ds = preprocess.open_indexed_dataset(data.data_prefix)
     lengths = np.array(ds.sequence_lengths)
-    docs = list(range(*dataloader.split_document_ranges(len(lengths), data.split)[0]))
+    docs = list(range(*preprocess.split_document_ranges(len(lengths), data.split)[0]))
     per_epoch = (int(lengths[docs].sum()) - 1) // SEQ
-    out = dataloader.naive_epoch_loop(lengths, docs, ds, seq_length=SEQ, num_samples=per_epoch * 2 + 1)
+    out = dataset_indices.naive_epoch_loop(lengths, docs, ds, seq_length=SEQ, num_samples=per_epoch * 2 + 1)
     assert out["epochs"] == 3 and out["samples"] == per_epoch * 2 + 1
     assert out["tokens_read"] == 3 * int(lengths[docs].sum())

@@ -13,11 +13,11 @@ from helpers import model
 
 @pytest.fixture(scope="module")
 def dist1():
-    from helpers import training
+    from helpers import distributed
 
-    info = training.initialize_distributed(1, 1, seed=1234)
+    info = distributed.initialize_distributed(1, 1, seed=1234)
     yield info
-    training.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=48,

@@ -8,7 +8,7 @@ import re
 import nbformat
 import pytest
 
-from helpers import preprocess, series
+from helpers import encoders, preprocess, series
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -87,14 +87,15 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     env = dict(dataloader=dataloader, corpus=corpus, results=results, run_dir=str(tmp_path), NOTEBOOK="x",
                Markdown=str, display=shown.append, train_iters=10, global_batch_size=8, eval_interval=5,
                eval_iters=2, seq_length=64)
-    env["preprocess"] = SimpleNamespace(ensure_data=lambda run_dir: SimpleNamespace(num_documents=300, split="99,0,1"))
+    env["preprocess"] = SimpleNamespace(data_paths=lambda run_dir: SimpleNamespace(num_documents=300, split="99,0,1"),
+                                        split_document_ranges=preprocess.split_document_ranges)
     exec(_cell_with(nb_dir / "02_data_loader.ipynb", "split_document_ranges(paths.num_documents"), env)
     assert "none" in shown[0]
     summary = dict(optimizer="adamw", tokens_per_s=1.0, first_valid_loss=None, final_valid_loss=None, iterations=1,
                    final_train_loss=1.0, checkpoint_path="c")
     env03 = dict(results=results, run_dir=str(tmp_path), NOTEBOOK="x", timeout_s=1, nproc=1, cfg=None,
-                 training=SimpleNamespace(launch=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True)))
-    exec(_cell_with(nb_dir / "03_training.ipynb", "training.launch(cfg"), env03)
+                 launch=SimpleNamespace(train=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True)))
+    exec(_cell_with(nb_dir / "03_training.ipynb", "run = launch.train(cfg"), env03)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -177,4 +178,4 @@ def test_01_data_results(series_run):
     assert s["round_trip_failures"] == 0
     assert s["num_tokens"] > s["num_documents"] and s["bin_bytes"] == 2 * s["num_tokens"]
     assert s["engines_identical"] is True
-    assert ("gigatoken_speedup" in s) == (preprocess.resolve_engine() == "gigatoken")
+    assert ("gigatoken_speedup" in s) == (encoders.resolve_engine() == "gigatoken")

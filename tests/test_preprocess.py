@@ -1,4 +1,4 @@
-"""helpers.preprocess: .bin/.idx round trip, dtype, workers, bad input, ensure_data idempotence."""
+"""helpers.preprocess: .bin/.idx round trip, dtype, workers, bad input, build_data idempotence."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from helpers import corpus, preprocess, tokenizer
+from helpers import corpus, encoders, preprocess, tokenizer
+from helpers.demos import preprocessing as preprocessing_demo
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_bin_idx_round_trip(small, tmp_path):
     assert stats.bin_bytes == 2 * stats.num_tokens == (tmp_path / "doc.bin").stat().st_size
     assert stats.input_bytes == sum(len(t.encode()) for t in texts)
     assert stats.tokens_per_second > 0 and stats.megabytes_per_second > 0
-    assert preprocess.verify_read_back(tmp_path / "doc", jsonl, tok_dir) == len(texts)
+    assert preprocessing_demo.verify_read_back(tmp_path / "doc", jsonl, tok_dir) == len(texts)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.bin", "doc.idx"]
 
 
@@ -69,11 +70,11 @@ def tricky(small, tmp_path):
     return jsonl, tok_dir, [t for t in extra[:2] + texts + extra[2:] if t]
 
 
-@pytest.mark.skipif(preprocess.resolve_engine() != "gigatoken", reason="gigatoken is not installed (requirements.txt pins it)")
+@pytest.mark.skipif(encoders.resolve_engine() != "gigatoken", reason="gigatoken is not installed (requirements.txt pins it)")
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_gigatoken_writes_the_same_files_as_tokenizers(tricky, tmp_path, monkeypatch, num_workers):
     jsonl, tok_dir, kept = tricky
-    monkeypatch.setattr(preprocess, "GIGATOKEN_BATCH_DOCUMENTS", 7)  # several batches, the last one short
+    monkeypatch.setattr(encoders, "GIGATOKEN_BATCH_DOCUMENTS", 7)  # several batches, the last one short
     monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
     ref = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "ref", progress=False, engine="tokenizers")
     fast = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "fast", num_workers=num_workers,
@@ -86,7 +87,7 @@ def test_gigatoken_writes_the_same_files_as_tokenizers(tricky, tmp_path, monkeyp
     literal = ds[0].tolist()
     assert literal[-1] == 0 and 0 not in literal[:-1], "a literal <|endoftext|> must stay text, not become EOD"
     fast_tok = tokenizer.load_fast_tokenizer(tok_dir)
-    assert [preprocess.decode_document(ds, i, tok_dir, tokenizer=fast_tok) for i in range(len(ds))] == kept
+    assert [preprocessing_demo.decode_document(ds, i, tok_dir, tokenizer=fast_tok) for i in range(len(ds))] == kept
 
 
 def test_auto_engine_and_bad_engine(small, tmp_path, monkeypatch):
@@ -94,12 +95,12 @@ def test_auto_engine_and_bad_engine(small, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"engine='rust': use one of 'auto', 'gigatoken', 'tokenizers'"):
         preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False, engine="rust")
     with pytest.raises(ValueError, match=r"engine='rust'"):
-        preprocess.ensure_data(tmp_path / "run", engine="rust")
+        preprocess.build_data(tmp_path / "run", engine="rust")
     assert list(tmp_path.iterdir()) == []
-    real_find_spec = preprocess.importlib.util.find_spec
-    monkeypatch.setattr(preprocess.importlib.util, "find_spec",
+    real_find_spec = encoders.importlib.util.find_spec
+    monkeypatch.setattr(encoders.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gigatoken" else real_find_spec(name, *a))
-    assert preprocess.resolve_engine("auto") == "tokenizers"
+    assert encoders.resolve_engine("auto") == "tokenizers"
     with pytest.raises(ModuleNotFoundError, match=r"pip install -r requirements.txt \(or pass engine='tokenizers'\)"):
         preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False, engine="gigatoken")
     stats = preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False)
@@ -145,9 +146,9 @@ def test_bad_json_line_is_named_and_leaves_nothing_behind(small, tmp_path, secon
     assert [p.name for p in tmp_path.iterdir()] == ["bad.json"]
 
 
-def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
+def test_build_data_is_idempotent_and_protects_existing_data(tmp_path):
     run = tmp_path / "run"
-    paths = preprocess.ensure_data(run, max_files=30, vocab_size=400, split="8,1,1", progress=False)
+    paths = preprocess.build_data(run, max_files=30, vocab_size=400, split="8,1,1", progress=False)
     assert paths.built == ["corpus", "tokenizer", "bin_idx"]
     assert paths.data_prefix == run / "data" / "codeparrot_content_document"
     assert paths.jsonl == run / "data" / "codeparrot_data.json" and paths.vocab_size == 400
@@ -158,39 +159,50 @@ def test_ensure_data_is_idempotent_and_protects_existing_data(tmp_path):
     assert sum(manifest["corpus"]["removed"].values()) == 30 - paths.num_documents
     before = _mtimes(run)
 
-    again = preprocess.ensure_data(run, progress=False)
+    again = preprocess.build_data(run, progress=False)
     assert again.built == [] and again.split == "8,1,1" and again.num_documents == paths.num_documents
-    assert preprocess.ensure_data(run, vocab_size=400, progress=False).built == []
+    assert preprocess.build_data(run, vocab_size=400, progress=False).built == []
     with pytest.raises(ValueError, match=r"made with vocab_size=400, not 1024.*new run folder"):
-        preprocess.ensure_data(run, vocab_size=1024, progress=False)
+        preprocess.build_data(run, vocab_size=1024, progress=False)
     assert _mtimes(run) == before, "a second call rewrote files"
 
     os.remove(f"{paths.data_prefix}.idx")
-    rebuilt = preprocess.ensure_data(run, progress=False)
+    rebuilt = preprocess.build_data(run, progress=False)
     assert rebuilt.built == ["bin_idx"]
-    assert preprocess.verify_read_back(rebuilt.data_prefix, rebuilt.jsonl, rebuilt.tokenizer_dir, indices=[0, 1]) == 2
+    assert preprocessing_demo.verify_read_back(rebuilt.data_prefix, rebuilt.jsonl, rebuilt.tokenizer_dir, indices=[0, 1]) == 2
 
 
-def test_ensure_data_rejects_bad_settings_before_writing(tmp_path):
+def test_build_data_rejects_bad_settings_before_writing(tmp_path):
     """A vocab size or split the tokenizer step would reject must not leave a manifest behind
     (it would refuse the corrected rerun with 'was made with vocab_size=100')."""
     run = tmp_path / "run"
     with pytest.raises(ValueError, match=r"vocab_size=100 is too small.*>= 257"):
-        preprocess.ensure_data(run, max_files=5, vocab_size=100, progress=False)
+        preprocess.build_data(run, max_files=5, vocab_size=100, progress=False)
     with pytest.raises(ValueError, match=r"split='0,1,1'.*weight 0"):
-        preprocess.ensure_data(run, max_files=5, split="0,1,1", progress=False)
+        preprocess.build_data(run, max_files=5, split="0,1,1", progress=False)
     with pytest.raises(ValueError, match=r"split='a,b'"):
-        preprocess.ensure_data(run, max_files=5, split="a,b", progress=False)
+        preprocess.build_data(run, max_files=5, split="a,b", progress=False)
     assert not run.exists()
 
 
-def test_ensure_corpus_dataset_uses_the_run_tokenizer(tmp_path):
+def test_build_corpus_dataset_uses_the_run_tokenizer(tmp_path):
     run = tmp_path / "run"
-    main = preprocess.ensure_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
-    extra = preprocess.ensure_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False)
+    main = preprocess.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
+    extra = preprocessing_demo.build_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False)
     assert extra.built and extra.num_documents >= 3
     assert extra.data_prefix == run / "data" / "stdlib_tests_content_document"
-    assert preprocess.verify_read_back(extra.data_prefix, extra.jsonl, main.tokenizer_dir) == extra.num_documents
-    assert not preprocess.ensure_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False).built
+    assert preprocessing_demo.verify_read_back(extra.data_prefix, extra.jsonl, main.tokenizer_dir) == extra.num_documents
+    assert not preprocessing_demo.build_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False).built
     with pytest.raises(ValueError, match="name="):
-        preprocess.ensure_corpus_dataset(run, "../x", source=corpus.stdlib_dir() / "json")
+        preprocessing_demo.build_corpus_dataset(run, "../x", source=corpus.stdlib_dir() / "json")
+
+
+def test_data_paths_reads_back_what_build_data_made_and_names_the_command_when_missing(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(FileNotFoundError, match=r"python -m helpers.series run --only 01"):
+        preprocess.data_paths(run)
+    made = preprocess.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
+    read = preprocess.data_paths(run)
+    assert (read.data_prefix, read.tokenizer_dir, read.jsonl) == (made.data_prefix, made.tokenizer_dir, made.jsonl)
+    assert (read.num_documents, read.vocab_size, read.split) == (made.num_documents, made.vocab_size, "8,1,1")
+    assert read.built == []

@@ -27,11 +27,11 @@ SCRIPT = textwrap.dedent("""
     import megatron.core
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from helpers import model, quiet, training
+    from helpers import distributed, model, quiet
     import logging
     from megatron.core.utils import log_single_rank
     log_single_rank(logging.getLogger("probe"), logging.INFO, "before torch.distributed")  # rank unknown
-    training.initialize_distributed(1, 1, seed=1)
+    distributed.initialize_distributed(1, 1, seed=1)
     cfg = model.ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
                             max_position_embeddings=16, vocab_size=100)
     gpt = model.build_model(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import checkpointing, training
+from helpers import checkpointing, launch, optimizer, training, training_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
@@ -27,29 +27,29 @@ TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_lengt
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.preprocess.ensure_data."""
+    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.preprocess.build_data."""
     from helpers import preprocess
 
     run = tmp_path_factory.mktemp("train-data")
-    return preprocess.ensure_data(run, max_files=120, vocab_size=1024, progress=False)
+    return preprocess.build_data(run, max_files=120, vocab_size=1024, progress=False)
 
 
-def tiny_config(data, run_dir, **overrides) -> training.TrainingConfig:
+def tiny_config(data, run_dir, **overrides) -> training_config.TrainingConfig:
     """Dropout on (so RNG state matters for resume), 12 iterations of 2 micro-batches."""
     base = dict(model=dict(TINY_MODEL), data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir),
                 split="90,8,2", micro_batch_size=4, global_batch_size=8, train_iters=12, lr_warmup_iters=2,
                 log_interval=1, eval_interval=6, eval_iters=2, save_interval=4)
     base.update(overrides)
-    return training.profile("cpu", str(run_dir), **base)
+    return training_config.profile("cpu", str(run_dir), **base)
 
 
 # --------------------------------------------------------------------------- pure functions
 def test_num_microbatches_relates_global_micro_and_data_parallel():
-    assert training.num_microbatches(192, 12, 8) == 2  # the guide: 8 GPUs -> accumulation 2
-    assert training.num_microbatches(16, 8, 1) == 2
-    assert training.num_microbatches(16, 4, 4) == 1
+    assert training_config.num_microbatches(192, 12, 8) == 2  # the guide: 8 GPUs -> accumulation 2
+    assert training_config.num_microbatches(16, 8, 1) == 2
+    assert training_config.num_microbatches(16, 4, 4) == 1
     with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by micro_batch_size x data_parallel_size = 4 x 1"):
-        training.num_microbatches(10, 4, 1)
+        training_config.num_microbatches(10, 4, 1)
 
 
 def test_micro_batch_indices_follow_megatron_sampler():
@@ -61,8 +61,8 @@ def test_micro_batch_indices_follow_megatron_sampler():
 
 
 def test_lr_schedule_is_linear_warmup_then_cosine_to_min():
-    cfg = replace(training.PROFILES["cpu"], train_iters=100, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10)
-    lrs = training.lr_schedule(cfg)
+    cfg = replace(training_config.PROFILES["cpu"], train_iters=100, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10)
+    lrs = optimizer.lr_schedule(cfg)
     assert len(lrs) == 100 and lrs[0] == 0.0
     assert math.isclose(lrs[5], 5e-4) and math.isclose(lrs[10], 1e-3)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
@@ -72,17 +72,17 @@ def test_lr_schedule_is_linear_warmup_then_cosine_to_min():
 
 def test_resumed_scheduler_follows_the_new_config_schedule():
     """A rerun with more train_iters must follow lr_schedule(new cfg), not the checkpoint's decay length."""
-    old_cfg = training.TrainingConfig(train_iters=10, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4)
+    old_cfg = training_config.TrainingConfig(train_iters=10, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4)
     new_cfg = replace(old_cfg, train_iters=20)
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=old_cfg.lr)
-    old = training.build_scheduler(opt, old_cfg)
+    old = optimizer.build_scheduler(opt, old_cfg)
     for _ in range(10):
         old.step(1)
     opt2 = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=new_cfg.lr)
-    resumed = training.build_scheduler(opt2, new_cfg)
+    resumed = optimizer.build_scheduler(opt2, new_cfg)
     resumed.load_state_dict(old.state_dict())
-    expected = training.lr_schedule(new_cfg)
+    expected = optimizer.lr_schedule(new_cfg)
     got = []
     for _ in range(10):
         got.append(opt2.param_groups[0]["lr"])
@@ -96,25 +96,25 @@ def test_evaluate_without_a_validation_set_is_skipped():
     TypeError: object of type 'NoneType' has no len() at iteration 0."""
     from types import SimpleNamespace
 
-    trainer = SimpleNamespace(valid_ds=None, cfg=training.TrainingConfig(), model=None)
+    trainer = SimpleNamespace(valid_ds=None, cfg=training_config.TrainingConfig(), model=None)
     assert training.evaluate(trainer) is None
 
 
 def test_codeparrot_small_profile_is_the_guide():
-    c = training.PROFILES["codeparrot-small"]
+    c = training_config.PROFILES["codeparrot-small"]
     assert (c.micro_batch_size, c.global_batch_size, c.lr, c.train_iters, c.lr_decay_iters, c.lr_warmup_iters,
             c.weight_decay, c.adam_beta2, c.clip_grad, c.seed, c.lr_decay_style, c.min_lr) == \
         (12, 192, 5e-4, 150_000, 150_000, 2000, 0.1, 0.999, 1.0, 1234, "cosine", 0.0)
     assert (c.log_interval, c.save_interval, c.eval_interval, c.eval_iters, c.split) == (10, 2000, 200, 10, "969,30,1")
-    assert training.num_microbatches(c.global_batch_size, c.micro_batch_size, 8) == 2
+    assert training_config.num_microbatches(c.global_batch_size, c.micro_batch_size, 8) == 2
 
 
 def test_config_json_round_trip(tmp_path):
-    cfg = training.profile("cpu", str(tmp_path), model={"num_layers": 3})
-    again = training.TrainingConfig.from_json(cfg.to_json(tmp_path / "run.json"))
+    cfg = training_config.profile("cpu", str(tmp_path), model={"num_layers": 3})
+    again = training_config.TrainingConfig.from_json(cfg.to_json(tmp_path / "run.json"))
     assert again == cfg and again.model.num_layers == 3
     with pytest.raises(ValueError, match="unknown TrainingConfig keys"):
-        training.TrainingConfig.from_dict({"train_iter": 5})
+        training_config.TrainingConfig.from_dict({"train_iter": 5})
 
 
 # --------------------------------------------------------------------------- bad input
@@ -133,9 +133,9 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
     with pytest.raises(FileNotFoundError, match="no_such_prefix"):
         replace(cfg, data_prefix=str(tmp_path / "no_such_prefix")).check()
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        training.profile("cpu", str(tmp_path), model={**TINY_MODEL, "seq_length": 128})
+        training_config.profile("cpu", str(tmp_path), model={**TINY_MODEL, "seq_length": 128})
     with pytest.raises(ValueError, match="tokenizer .* has 1024 entries"):
-        training.profile("cpu", str(tmp_path), model={**TINY_MODEL, "vocab_size": 2000},
+        training_config.profile("cpu", str(tmp_path), model={**TINY_MODEL, "vocab_size": 2000},
                          data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir, split=cfg.split).check()
     with pytest.raises(ValueError, match="needs a CUDA GPU") if not torch.cuda.is_available() else _nothing():
         replace(cfg, precision="bf16").check()
@@ -157,7 +157,7 @@ def test_port_in_use_is_a_clear_error(data, tmp_path):
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(LaunchError, match=f"master_port={port} is already in use"):
-            training.launch(tiny_config(data, tmp_path), master_port=port, progress=False)
+            launch.train(tiny_config(data, tmp_path), master_port=port, progress=False)
 
 
 # --------------------------------------------------------------------------- real runs
@@ -191,14 +191,14 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
 
 
 def _train_losses(cfg) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in training.read_metrics(cfg.metrics_file)["train"]}
+    return {r["iteration"]: r["lm_loss"] for r in training_config.read_metrics(cfg.metrics_file)["train"]}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(data, tmp_path_factory):
-    """The reference run, launched the notebook's way: torchrun through training.launch."""
+    """The reference run, launched the notebook's way: torchrun through launch.train."""
     cfg = tiny_config(data, tmp_path_factory.mktemp("run-a"))
-    result = training.launch(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
     return cfg, result
 
 
@@ -218,7 +218,7 @@ def test_torchrun_training_loss_falls_and_records_everything(uninterrupted):
     meta = checkpointing.read_model_config(cfg.checkpoint_path)
     assert meta["gelu"] == "erf" and meta["tied_embeddings"] is True and meta["padded_vocab_size"] == 1024
     assert any(p.name.startswith("events.out.tfevents") for p in cfg.tensorboard_path.iterdir())
-    again = training.launch(cfg, nproc_per_node=1, progress=False)  # cached: nothing to do
+    again = launch.train(cfg, nproc_per_node=1, progress=False)  # cached: nothing to do
     assert again.skipped and again.summary == s
 
 
@@ -251,14 +251,14 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
     assert proc.returncode == 0, out
     assert f"resumed from checkpoint at iteration {killed_at}" in out
     assert _train_losses(cfg) == _train_losses(ref_cfg)  # bit-identical, every iteration
-    valid = lambda c: [(r["iteration"], r["lm_loss"]) for r in training.read_metrics(c.metrics_file)["valid"]]
+    valid = lambda c: [(r["iteration"], r["lm_loss"]) for r in training_config.read_metrics(c.metrics_file)["valid"]]
     assert valid(cfg) == valid(ref_cfg)
 
     # A different model shape refuses to resume and leaves the checkpoint untouched.
     before = {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")}
     wrong = replace(cfg, model=replace(cfg.model, hidden_size=128), train_iters=16)
     with pytest.raises(checkpointing.CheckpointMismatchError, match="hidden_size: checkpoint 64 vs config 128"):
-        training.launch(wrong, progress=False)  # refused before any process starts
+        launch.train(wrong, progress=False)  # refused before any process starts
     proc = _start(wrong.to_json(tmp_path / "wrong.json"))
     out = _finish(proc)
     assert proc.returncode != 0 and "different model shape" in out and "hidden_size" in out
@@ -268,11 +268,11 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
 @pytest.mark.gpu
 def test_codeparrot_small_trains_on_cuda_in_bf16(data, tmp_path):
     """A few iterations of the guide's model on one GPU in bf16; prints tokens/s and MFU."""
-    cfg = training.profile("codeparrot-small", str(tmp_path), model={"vocab_size": 1024},
+    cfg = training_config.profile("codeparrot-small", str(tmp_path), model={"vocab_size": 1024},
                            data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir),
                            split="90,8,2", train_iters=6, log_interval=2, eval_interval=6, eval_iters=1,
                            save_interval=None)
-    result = training.launch(cfg, nproc_per_node=1, timeout_s=900, progress=False)
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=900, progress=False)
     s = result.summary
     assert s["precision"] == "bf16" and s["iterations"] == 6 and math.isfinite(s["final_train_loss"])
     peak = float(os.environ.get("GPU_PEAK_TFLOPS", "989"))  # H100/H200 dense bf16

@@ -1,0 +1,347 @@
+"""What one training run is: its configuration, its profiles, and the metrics file it writes.
+
+:class:`TrainingConfig` carries Megatron-LM's argument names (``--micro-batch-size``,
+``--global-batch-size``, ``--lr-warmup-iters``...) and is written as ``run.json``, the
+``--config`` of the training script :mod:`helpers.training`. Notebook 03 builds one from its
+parameters; notebooks 05 and 06 read it back.
+
+Sources: Megatron-LM ``megatron/training/arguments.py`` (the names and defaults),
+``megatron/core/num_microbatches_calculator.py``, ``megatron/training/training.py``
+(``training_log``: the metrics logged).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from helpers.model import PROFILES as MODEL_PROFILES
+from helpers.model import ModelConfig
+
+SUMMARY_FILE = "training_summary.json"
+METRICS_FILE = "metrics.jsonl"
+
+# =========================================================================== configuration
+@dataclass(frozen=True)
+class TrainingConfig:
+    """One training run: the model, the data, the batch, the optimizer and the outputs.
+
+    Names follow Megatron-LM's arguments (``--micro-batch-size``, ``--global-batch-size``,
+    ``--lr-warmup-iters``...). Paths left ``None`` default to the run folder's layout:
+    ``{run_dir}/data/codeparrot_content_document``, ``{run_dir}/data/tokenizer``,
+    ``{run_dir}/checkpoints``, ``{run_dir}/tensorboard``, ``{run_dir}/metrics.jsonl``.
+
+    Attributes (units): batch sizes in samples of ``seq_length`` tokens; iterations are
+    optimizer steps; ``lr``/``min_lr`` per step; intervals in iterations.
+    """
+
+    run_dir: str = "runs/latest"
+    model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
+    data_prefix: str | None = None
+    tokenizer_dir: str | None = None
+    split: str = "969,30,1"
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    train_iters: int = 200
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    lr_warmup_iters: int = 20
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: str = "auto"
+    log_interval: int = 10
+    eval_interval: int = 40
+    eval_iters: int = 4
+    save_interval: int | None = 100
+    exit_interval: int | None = None
+    checkpoint_dir: str | None = None
+    tensorboard_dir: str | None = None
+    metrics_path: str | None = None
+    layer_spec: str = "auto"
+    use_megatron_ddp: bool = True
+
+    # ----------------------------------------------------------------- derived paths
+    @property
+    def run_path(self) -> Path:
+        """The run folder, absolute."""
+        return Path(self.run_dir).expanduser().resolve()
+
+    @property
+    def data_prefix_path(self) -> Path:
+        """``.bin/.idx`` prefix (default ``{run_dir}/data/codeparrot_content_document``)."""
+        return Path(self.data_prefix) if self.data_prefix else self.run_path / "data" / "codeparrot_content_document"
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """Tokenizer folder (default ``{run_dir}/data/tokenizer``)."""
+        return Path(self.tokenizer_dir) if self.tokenizer_dir else self.run_path / "data" / "tokenizer"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Checkpoint folder (default ``{run_dir}/checkpoints``)."""
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_path / "checkpoints"
+
+    @property
+    def tensorboard_path(self) -> Path:
+        """TensorBoard folder, Megatron's ``--tensorboard-dir`` (default ``{run_dir}/tensorboard``)."""
+        return Path(self.tensorboard_dir) if self.tensorboard_dir else self.run_path / "tensorboard"
+
+    @property
+    def metrics_file(self) -> Path:
+        """JSON Lines metrics (default ``{run_dir}/metrics.jsonl``)."""
+        return Path(self.metrics_path) if self.metrics_path else self.run_path / METRICS_FILE
+
+    @property
+    def summary_file(self) -> Path:
+        """``training_summary.json`` next to the metrics file (``{run_dir}/training_summary.json``)."""
+        return self.metrics_file.with_name(SUMMARY_FILE)
+
+    @property
+    def decay_iters(self) -> int:
+        """``lr_decay_iters``, or ``train_iters`` when unset (Megatron's default)."""
+        return self.lr_decay_iters or self.train_iters
+
+    # ----------------------------------------------------------------- (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain JSON-ready values (``model`` as a dict)."""
+        data = asdict(self)
+        data["model"] = self.model.to_dict()
+        return data
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Write the config as ``run.json`` (the ``--config`` of the entry point)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainingConfig":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: unknown keys (listed with the valid ones).
+        """
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainingConfig keys {unknown}; valid keys: {sorted(known)}")
+        if isinstance(data.get("model"), dict):
+            data["model"] = ModelConfig.from_dict(data["model"])
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "TrainingConfig":
+        """Read a ``run.json`` written by :meth:`to_json` (errors as :meth:`from_dict`)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # ----------------------------------------------------------------- checks
+    def data_parallel_size(self, world_size: int) -> int:
+        """world size / (TP x PP).
+
+        Raises:
+            ValueError: the world size is not a multiple of TP x PP.
+        """
+        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % mp:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {self.tensor_model_parallel_size} x "
+                f"{self.pipeline_model_parallel_size}: launch a multiple of {mp} processes"
+            )
+        return world_size // mp
+
+    def check(self, world_size: int = 1) -> None:
+        """Validate the config for ``world_size`` processes before anything starts.
+
+        Raises:
+            ValueError: non-positive sizes, a global batch not divisible by micro-batch x
+                data-parallel size, TP not dividing the heads / hidden size / MLP width or PP
+                not dividing the layers (:func:`helpers.model.check_layout`), warmup not shorter than decay, unknown precision or
+                decay style, bf16/fp16 without CUDA.
+            FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
+            ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
+        """
+        for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
+                     "eval_iters", "eval_interval", "tensor_model_parallel_size",
+                     "pipeline_model_parallel_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        dp = self.data_parallel_size(world_size)
+        num_microbatches(self.global_batch_size, self.micro_batch_size, dp)
+        from helpers.model import Layout, check_layout  # TP divides heads/width, PP divides layers
+
+        check_layout(self.model, Layout(self.tensor_model_parallel_size, self.pipeline_model_parallel_size, dp))
+        if self.lr_warmup_iters >= self.decay_iters:
+            raise ValueError(f"lr_warmup_iters={self.lr_warmup_iters} must be below lr_decay_iters={self.decay_iters}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(f"lr_decay_style={self.lr_decay_style!r}: use constant, linear, cosine or inverse-square-root")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be positive (the peak learning rate, e.g. 2e-3)")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
+        resolve_precision(self.precision)
+        prefix = self.data_prefix_path
+        missing = [str(prefix) + ext for ext in (".bin", ".idx") if not Path(str(prefix) + ext).exists()]
+        if missing:
+            raise FileNotFoundError(
+                f"data prefix {prefix} has no {', '.join(missing)}: run notebook 01 "
+                "(python -m helpers.series run --only 01) first, or pass data_prefix="
+            )
+        from helpers import dataloader
+
+        dataloader.check_split(dataloader._sequence_lengths(str(prefix)), self.split)  # empty split: error, not a hang
+        if not (self.tokenizer_path / "vocab.json").exists():
+            raise FileNotFoundError(f"no tokenizer in {self.tokenizer_path} (vocab.json): run notebook 01 first")
+        from helpers import tokenizer as tokenizer_lib
+
+        tok_size = tokenizer_lib.vocab_size_of(self.tokenizer_path)
+        if tok_size != self.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} but the tokenizer in {self.tokenizer_path} has "
+                f"{tok_size} entries: set model vocab_size={tok_size} (Megatron pads it to "
+                f"{self.model.padded_vocab_size(self.tensor_model_parallel_size)} rows itself)"
+            )
+
+
+#: Training profiles. ``cpu``: about 3 minutes on 2 cores. ``codeparrot-small``: the
+#: CodeParrot guide's exact hyperparameters (see shared/notes/reference-recipe.md).
+PROFILES: dict[str, TrainingConfig] = {
+    "cpu": TrainingConfig(),
+    "codeparrot-small": TrainingConfig(
+        model=MODEL_PROFILES["codeparrot-small"], micro_batch_size=12, global_batch_size=192,
+        train_iters=150_000, lr=5e-4, min_lr=0.0, lr_warmup_iters=2000, lr_decay_iters=150_000,
+        lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+        clip_grad=1.0, seed=1234, log_interval=10, eval_interval=200, eval_iters=10,
+        save_interval=2000, split="969,30,1",
+    ),
+}
+
+
+def profile(name: str, run_dir: str, **overrides: Any) -> TrainingConfig:
+    """Training profile ``name`` for ``run_dir``; ``model`` may be given as a dict of overrides.
+
+    Raises:
+        KeyError: unknown profile (lists the profiles).
+    """
+    if name not in PROFILES:
+        raise KeyError(f"training profile {name!r} is unknown: choose one of {sorted(PROFILES)}")
+    base = PROFILES[name]
+    if isinstance(overrides.get("model"), dict):
+        overrides["model"] = replace(base.model, **overrides["model"])
+    return replace(base, run_dir=str(run_dir), **overrides)
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """Gradient-accumulation steps: global = micro x data-parallel size x accumulation steps.
+
+    Source: Megatron-LM ``megatron/core/num_microbatches_calculator.py``
+    (``ConstantNumMicroBatchesCalculator``).
+
+    Raises:
+        ValueError: ``global_batch_size`` is not divisible by micro x data-parallel size.
+    """
+    per_step = micro_batch_size * data_parallel_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size x "
+            f"data_parallel_size = {micro_batch_size} x {data_parallel_size} = {per_step}: "
+            f"use a multiple of {per_step} (e.g. {max(per_step, global_batch_size // per_step * per_step)})"
+        )
+    return global_batch_size // per_step
+
+
+def resolve_precision(precision: str) -> str:
+    """``"auto"`` -> fp32 on CPU, bf16 on a GPU that supports it, else fp16 (loss-scaled).
+
+    Raises:
+        ValueError: unknown name, or bf16/fp16 without CUDA.
+    """
+    import torch
+
+    if precision == "auto":
+        if not torch.cuda.is_available():
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}: choose auto, fp32, bf16 or fp16")
+    if precision != "fp32" and not torch.cuda.is_available():
+        raise ValueError(f"precision={precision!r} needs a CUDA GPU; use 'fp32' (or 'auto') on CPU")
+    return precision
+
+
+
+# =========================================================================== logging
+class MetricsLogger:
+    """Writes each log record to the console, ``metrics.jsonl`` and TensorBoard.
+
+    Only the logging rank (the last one, which holds the loss, as Megatron's
+    ``print_rank_last``) writes. On resume from iteration ``start``, records after ``start``
+    from an interrupted run are dropped from ``metrics.jsonl`` and TensorBoard
+    (``purge_step``) so curves have no duplicates; a run from scratch starts a new file.
+    """
+
+    def __init__(self, cfg: TrainingConfig, active: bool, start_iteration: int = 0):
+        self.active = active
+        self.path = cfg.metrics_file
+        self.writer = None
+        if not active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if start_iteration and line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(cfg.tensorboard_path), purge_step=start_iteration + 1 if start_iteration else None)
+        except ImportError:  # tensorboard not installed: console + JSON Lines only
+            self.writer = None
+
+    def log(self, record: dict[str, Any], console: str | None = None) -> None:
+        """Append ``record`` (``kind``, ``iteration`` and numbers) everywhere; print ``console``."""
+        if not self.active:
+            return
+        if console:
+            print(console, flush=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            step = record["iteration"]
+            for key, value in record.items():
+                if key not in ("kind", "iteration") and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(f"{record['kind']}/{key}", value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close TensorBoard."""
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
+    """``metrics.jsonl`` split by kind: ``{"train": [...], "valid": [...]}`` in iteration order."""
+    out: dict[str, list[dict[str, Any]]] = {"train": [], "valid": []}
+    path = Path(path)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                out.setdefault(rec["kind"], []).append(rec)
+    return out
