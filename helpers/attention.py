@@ -7,7 +7,7 @@ Transformer Engine's fused attention, which needs TE and a GPU. :class:`SDPAtten
 first module computed by one call of ``torch.nn.functional.scaled_dot_product_attention``
 (Vaswani et al. 2017 for the math; Dao et al. 2022, *FlashAttention*, for the fused,
 memory-saving kernel), so the local spec gets a fused attention on any device.
-:func:`helpers.fusion.benchmark_core_attention` times both on a model's shapes (notebook 04).
+:func:`helpers.demos.model_fusions.benchmark_core_attention` times both on a model's shapes (notebook 04).
 """
 
 from __future__ import annotations
@@ -62,5 +62,5 @@ class SDPAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
 
-#: The two modules :func:`helpers.fusion.benchmark_core_attention` compares, by ``ModelConfig.core_attention`` name.
+#: The two modules :func:`helpers.demos.model_fusions.benchmark_core_attention` compares, by ``ModelConfig.core_attention`` name.
 MODULES = {"unfused": DotProductAttention, "sdpa": SDPAttention}

@@ -1,4 +1,5 @@
-"""helpers.fusion: traffic model, timing, roofline, fused-op candidates, AdamW, recommendations."""
+"""helpers.demos for notebook 04: traffic model and roofline, timing, fused-op candidates, AdamW,
+the fusion flags on a training step, and the recommendations (core attention: tests/test_attention.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import fusion, model, results
+from helpers import model, optimizer, results
+from helpers.demos import adamw, fused_ops, model_fusions, roofline, timing
 
 TINY = model.profile("cpu", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
                      max_position_embeddings=16, vocab_size=256)
@@ -38,48 +39,48 @@ def _aten_ops(fn) -> list[str]:
 def test_traffic_model_bytes_by_hand():
     t, h, d = 4, 8, 4
     n = t * h
-    g = fusion.traffic_model("bias_gelu", (t, h), d)
+    g = roofline.traffic_model("bias_gelu", (t, h), d)
     assert g["fused"].bytes_read == d * (n + h) and g["fused"].bytes_written == d * n
     assert g["unfused"].bytes_read == d * (2 * n + h) and g["unfused"].bytes_written == d * 2 * n
     assert g["unfused_formula"].num_kernels == 10
     assert g["unfused_formula"].bytes_read == d * (13 * n + h) and g["unfused_formula"].bytes_written == d * 10 * n
-    bda = fusion.traffic_model("bias_dropout_add", (t, h), d)
+    bda = roofline.traffic_model("bias_dropout_add", (t, h), d)
     assert bda["fused"].bytes_read == d * (2 * n + h) and bda["fused"].bytes_written == d * n + n
     assert bda["unfused"].bytes_moved == d * (4 * n + h) + d * 3 * n + n
-    sm = fusion.traffic_model("scale_mask_softmax", (2, 3, 5, 5), d)
+    sm = roofline.traffic_model("scale_mask_softmax", (2, 3, 5, 5), d)
     m = 2 * 3 * 5 * 5
     assert sm["fused"].bytes_moved == 2 * d * m
     assert sm["unfused"].bytes_moved == 6 * d * m + 25
-    ln = fusion.traffic_model("layernorm", (t, h), d)
+    ln = roofline.traffic_model("layernorm", (t, h), d)
     assert ln["fused"].bytes_moved == d * (2 * n + 2 * h)
     assert ln["unfused"].num_kernels == 9
 
 
 def test_flops_are_the_same_for_every_form_and_intensity_is_flops_per_byte():
-    for op, shape in fusion.op_shapes(model.profile("cpu"), 8).items():
-        forms = fusion.traffic_model(op, shape, 2)
+    for op, shape in roofline.op_shapes(model.profile("cpu"), 8).items():
+        forms = roofline.traffic_model(op, shape, 2)
         assert len({f.flops for f in forms.values()}) == 1
-        assert forms["fused"].flops == fusion.FLOPS_PER_ELEMENT[op] * math.prod(shape)
+        assert forms["fused"].flops == roofline.FLOPS_PER_ELEMENT[op] * math.prod(shape)
         for f in forms.values():
             assert f.arithmetic_intensity == pytest.approx(f.flops / f.bytes_moved)
             assert f.bytes_moved >= forms["fused"].bytes_moved
 
 
 def test_fused_bias_gelu_halves_traffic_for_wide_tensors():
-    forms = fusion.traffic_model("bias_gelu", (8192, 3072), 2)
+    forms = roofline.traffic_model("bias_gelu", (8192, 3072), 2)
     assert forms["unfused"].bytes_moved / forms["fused"].bytes_moved == pytest.approx(2.0, abs=1e-3)
 
 
 def test_model_kernel_counts_match_the_kernels_the_code_dispatches():
-    shapes = fusion.op_shapes(TINY, 2)
+    shapes = roofline.op_shapes(TINY, 2)
     counts = {}
     for op, shape in shapes.items():
-        cands, _ = fusion.fusion_candidates(op, shape, include_compile=False)
+        cands, _ = fused_ops.fusion_candidates(op, shape, include_compile=False)
         for c in cands:
             if c.form.startswith("unfused"):
                 counts[(op, c.form)] = _aten_ops(c.fn)
     for (op, form), ops in counts.items():
-        expected = fusion.traffic_model(op, shapes[op])[form].num_kernels
+        expected = roofline.traffic_model(op, shapes[op])[form].num_kernels
         if op == "bias_dropout_add":  # CPU eager dropout decomposes (bernoulli_, div_, mul): documented
             assert "bernoulli_" in ops and len(ops) >= expected
         else:
@@ -88,11 +89,11 @@ def test_model_kernel_counts_match_the_kernels_the_code_dispatches():
 
 def test_op_shapes_follow_the_model_config():
     cfg = model.profile("cpu")
-    s = fusion.op_shapes(cfg, 8)
+    s = roofline.op_shapes(cfg, 8)
     assert s["bias_gelu"] == (8 * cfg.seq_length, 4 * cfg.hidden_size)
     assert s["scale_mask_softmax"] == (8, cfg.num_attention_heads, cfg.seq_length, cfg.seq_length)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        fusion.op_shapes(cfg, 0)
+        roofline.op_shapes(cfg, 0)
 
 
 @pytest.mark.parametrize("op, shape, match", [
@@ -101,22 +102,22 @@ def test_op_shapes_follow_the_model_config():
 ])
 def test_traffic_model_rejects_bad_input(op, shape, match):
     with pytest.raises(ValueError, match=match):
-        fusion.traffic_model(op, shape)
+        roofline.traffic_model(op, shape)
 
 
-def test_traffic_table_and_format_table():
-    rows = fusion.traffic_table({"layernorm": (4, 8)})
+def test_traffic_table_and_its_markdown_table():
+    rows = roofline.traffic_table({"layernorm": (4, 8)})
     assert [r["form"] for r in rows] == ["unfused", "fused"]
     assert rows[1]["traffic_vs_fused"] == 1.0 and rows[0]["traffic_vs_fused"] > 1
-    text = fusion.format_table(rows, ["op", "form", "kernels"])
-    assert text.splitlines()[0].split() == ["op", "form", "kernels"] and "layernorm  unfused  9" in text
+    text = results.markdown_table(rows, ["op", "form", "kernels"])
+    assert text.splitlines()[0] == "| op | form | kernels |" and "| layernorm | unfused | 9 |" in text
     with pytest.raises(ValueError):
-        fusion.format_table([])
+        results.markdown_table([])
 
 
 # ------------------------------------------------------------------------------ timing, roofline
 def test_timing_statistics():
-    t = fusion.Timing("x", (5.0, 1.0, 3.0, 2.0, 4.0), 1, "cpu", "time.perf_counter")
+    t = timing.Timing("x", (5.0, 1.0, 3.0, 2.0, 4.0), 1, "cpu", "time.perf_counter")
     assert (t.median_s, t.q25_s, t.q75_s) == (3.0, 2.0, 4.0)
     assert t.spread == pytest.approx(2 / 3)
 
@@ -125,62 +126,62 @@ def test_time_calls_measures_and_interleaves():
     order = []
     fns = {"slow": lambda: (order.append("slow"), time.sleep(0.004)),
            "fast": lambda: order.append("fast")}
-    t = fusion.time_calls(fns, warmup=1, repeats=3, min_repeat_s=0.0)
+    t = timing.time_calls(fns, warmup=1, repeats=3, min_repeat_s=0.0)
     assert 0.004 <= t["slow"].median_s < 0.05
     assert t["fast"].median_s < t["slow"].median_s
     assert order[-6:] == ["slow", "fast"] * 3  # round robin after warm-up
     assert t["slow"].clock == "time.perf_counter" and len(t["slow"].times_s) == 3
     with pytest.raises(ValueError, match="repeats"):
-        fusion.time_calls(fns, repeats=2)
+        timing.time_calls(fns, repeats=2)
     with pytest.raises(ValueError, match="empty"):
-        fusion.time_calls({})
+        timing.time_calls({})
 
 
 def test_roofline_model():
-    r = fusion.Roofline(bandwidth_bytes_per_s=10e9, peak_flops_per_s=100e9)
+    r = roofline.Roofline(bandwidth_bytes_per_s=10e9, peak_flops_per_s=100e9)
     assert r.ridge_intensity == 10
     assert r.attainable_flops(1.0) == 10e9 and r.attainable_flops(100.0) == 100e9
-    forms = fusion.traffic_model("bias_gelu", (1024, 1024))
+    forms = roofline.traffic_model("bias_gelu", (1024, 1024))
     assert r.time_lower_bound_s(forms["fused"]) == pytest.approx(forms["fused"].bytes_moved / 10e9)
     # memory-bound forms: the predicted speedup is the traffic ratio
     assert r.predicted_speedup(forms["unfused_formula"], forms["fused"]) == pytest.approx(
         forms["unfused_formula"].bytes_moved / forms["fused"].bytes_moved)
     with pytest.raises(ValueError):
-        fusion.Roofline(0.0, 1.0)
+        roofline.Roofline(0.0, 1.0)
 
 
 def test_measured_roofline_is_plausible_and_plots():
-    r = fusion.measure_roofline(copy_mib=16, matmul_n=256, repeats=3)
+    r = roofline.measure_roofline(copy_mib=16, matmul_n=256, repeats=3)
     assert 1e8 < r.bandwidth_bytes_per_s < 1e13
     assert 1e8 < r.peak_flops_per_s < 1e15
     assert r.copy is not None and r.copy.median_s > 0
-    fig = fusion.plot_roofline(r, [("point", 0.5, 1e9)])
+    fig = roofline.plot_roofline(r, [("point", 0.5, 1e9)])
     ax = fig.axes[0]
     assert ax.get_title() and "FLOP/byte" in ax.get_xlabel() and "GFLOP/s" in ax.get_ylabel()
     assert len(ax.get_legend().get_texts()) == 3
     with pytest.raises(ValueError):
-        fusion.measure_memory_bandwidth(0)
+        roofline.measure_memory_bandwidth(0)
 
 
 # ------------------------------------------------------------------------------ GELU, candidates
 def test_megatron_fuser_is_torch_compile_in_this_environment():
-    assert fusion.megatron_jit_fuser() == "torch.compile"
+    assert fused_ops.megatron_jit_fuser() == "torch.compile"
 
 
 def test_fused_gelu_is_the_tanh_approximation():
     x = torch.linspace(-6, 6, 10001)
-    g = fusion.gelu_forms(x)
+    g = fused_ops.gelu_forms(x)
     tanh_vs_erf = (g["megatron_tanh"] - g["erf"]).abs().max().item()
     assert 1e-4 < tanh_vs_erf < 1e-3
     assert (g["megatron_tanh"] - g["torch_tanh"]).abs().max().item() < 1e-6
-    fig = fusion.plot_gelu_difference(x, g)
+    fig = fused_ops.plot_gelu_difference(x, g)
     assert fig.axes[0].get_legend() is not None
 
 
 def test_candidates_compute_what_they_claim_on_cpu():
-    shapes = fusion.op_shapes(TINY, 2)
+    shapes = roofline.op_shapes(TINY, 2)
     for op, shape in shapes.items():
-        cands, skipped = fusion.fusion_candidates(op, shape, include_compile=False)
+        cands, skipped = fused_ops.fusion_candidates(op, shape, include_compile=False)
         assert cands[0].form == "unfused" and cands[0].key == "eager"
         for c in cands:
             assert c.check() < 1e-5, (op, c.name)
@@ -203,24 +204,24 @@ def test_dropout_drops_about_p_and_keeps_the_rest_exactly():
         kept = r + (x + b) / (1 - p)
         assert (out - kept)[~dropped].abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="dropout_prob"):
-        fusion.fusion_candidates("bias_dropout_add", (4, 4), dropout_prob=1.0)
+        fused_ops.fusion_candidates("bias_dropout_add", (4, 4), dropout_prob=1.0)
 
 
 def test_benchmark_fusions_rows_are_consistent():
     shapes = {"layernorm": (64, 32), "bias_gelu": (64, 32)}
-    bench = fusion.benchmark_fusions(shapes, include_compile=False, warmup=1, repeats=3,
+    bench = fused_ops.benchmark_fusions(shapes, include_compile=False, warmup=1, repeats=3,
                                      min_repeat_s=0.0, progress=False)
     ln = [r for r in bench.rows if r["op"] == "layernorm"]
     assert ln[0]["speedup_vs_eager"] == 1.0
     for r in bench.rows:
-        form = fusion.traffic_model(r["op"], shapes[r["op"]])[r["form"]]
+        form = roofline.traffic_model(r["op"], shapes[r["op"]])[r["form"]]
         assert r["achieved_GB_s"] == pytest.approx(form.bytes_moved / (r["median_ms"] / 1e3) / 1e9)
         assert r["q25_ms"] <= r["median_ms"] <= r["q75_ms"]
         assert r["max_abs_diff"] < 1e-5
     assert set(bench.speedups()) == {"layernorm_torch_native", "bias_gelu_eager_formula",
                                      "bias_gelu_megatron_fused"}
     assert bench.best("layernorm")["median_ms"] == min(r["median_ms"] for r in ln)
-    fig = fusion.plot_speedups(bench)
+    fig = fused_ops.plot_speedups(bench)
     assert "speedup" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(bench.rows)
 
 
@@ -246,7 +247,7 @@ def test_each_adamw_matches_the_paper(impl):
     p0 = torch.randn(50, 20)
     grads = [torch.randn(50, 20) for _ in range(5)]
     p = p0.clone().requires_grad_(True)
-    opt = fusion.make_adamw([p], impl, lr=1e-2, weight_decay=0.1)
+    opt = optimizer.make_adamw([p], impl, lr=1e-2, weight_decay=0.1)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -257,25 +258,25 @@ def test_each_adamw_matches_the_paper(impl):
 
 def test_make_adamw_flags_and_errors():
     p = [torch.zeros(3, requires_grad=True)]
-    assert fusion.make_adamw(p, "fused").defaults["fused"] is True
-    assert fusion.make_adamw(p, "foreach").defaults["foreach"] is True
-    assert fusion.make_adamw(p, "for-loop").defaults["foreach"] is False
+    assert optimizer.make_adamw(p, "fused").defaults["fused"] is True
+    assert optimizer.make_adamw(p, "foreach").defaults["foreach"] is True
+    assert optimizer.make_adamw(p, "for-loop").defaults["foreach"] is False
     with pytest.raises(ValueError, match="choose one of"):
-        fusion.make_adamw(p, "lamb")
+        optimizer.make_adamw(p, "lamb")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
-            fusion.make_adamw(p, "apex-fused")
+            optimizer.make_adamw(p, "apex-fused")
 
 
 def test_benchmark_adamw_on_model_parameters_agrees_and_leaves_no_process_group():
     import torch.distributed as dist
 
-    params = fusion.model_parameters(TINY)
+    params = adamw.model_parameters(TINY)
     assert sum(p.numel() for p in params.values()) == model.count_parameters(TINY)
     assert "decoder.layers.0.mlp.linear_fc1.weight" in params
     assert not dist.is_initialized()
     before = {k: v.clone() for k, v in params.items()}
-    bench = fusion.benchmark_adamw(params, check_steps=3, warmup=1, repeats=3)
+    bench = adamw.benchmark_adamw(params, check_steps=3, warmup=1, repeats=3)
     assert all(torch.equal(before[k], params[k]) for k in params)  # inputs untouched
     assert list(bench.timings) == ["for-loop", "foreach", "fused"]
     assert all(bench.agrees.values()) and max(bench.max_abs_diff.values()) < 1e-5
@@ -284,14 +285,14 @@ def test_benchmark_adamw_on_model_parameters_agrees_and_leaves_no_process_group(
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in bench.skipped["apex-fused"]
     assert bench.rows()[0]["implementation"] == "for-loop"
-    assert fusion.plot_adamw(bench).axes[0].get_ylabel() == "time per step (ms)"
+    assert adamw.plot_adamw(bench).axes[0].get_ylabel() == "time per step (ms)"
     with pytest.raises(ValueError, match="empty"):
-        fusion.benchmark_adamw([])
+        adamw.benchmark_adamw([])
 
 
 # ------------------------------------------------------------------------------ training step, recommendations
 def test_fusion_flags_change_only_the_gelu():
-    fb = fusion.benchmark_fusion_flags(TINY, micro_batch_size=1, warmup=1, repeats=3)
+    fb = model_fusions.benchmark_fusion_flags(TINY, micro_batch_size=1, warmup=1, repeats=3)
     off, on = fb.losses["flags off"], fb.losses["flags on"]
     assert math.isfinite(off) and abs(off - on) < 1e-3
     assert fb.speedup == pytest.approx(fb.timings["flags off"].median_s / fb.timings["flags on"].median_s)
@@ -305,34 +306,34 @@ def test_fusion_flags_change_only_the_gelu():
 def test_recommendations_default_and_follow_the_measurement(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the CPU defaults are tested on CPU")
-    assert fusion.adamw_implementation("cpu") == "fused"
-    assert fusion.recommended_fusion_flags("cpu") == {f: False for f in fusion.FUSION_FLAGS}
-    assert fusion.adamw_implementation("cpu", tmp_path) == "fused"  # no summary yet
-    results.record(tmp_path, fusion.NOTEBOOK, "device", "cpu")
-    results.record(tmp_path, fusion.NOTEBOOK, "adamw_fastest", "foreach")
-    results.record(tmp_path, fusion.NOTEBOOK, "fusion_flags_clearly_faster", True)
-    assert fusion.adamw_implementation("cpu", tmp_path) == "foreach"
-    assert fusion.recommended_fusion_flags("cpu", tmp_path) == {f: True for f in fusion.FUSION_FLAGS}
-    results.record(tmp_path, fusion.NOTEBOOK, "adamw_fastest", "apex-fused")  # unavailable here
-    assert fusion.adamw_implementation("cpu", tmp_path) == "fused"
-    results.record(tmp_path, fusion.NOTEBOOK, "device", "cuda")  # measured elsewhere: ignored
-    assert fusion.recommended_fusion_flags("cpu", tmp_path) == {f: False for f in fusion.FUSION_FLAGS}
-    opt = fusion.fastest_adamw([torch.zeros(2, requires_grad=True)], "cpu", lr=1e-3)
-    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    assert model_fusions.adamw_implementation("cpu") == "fused"
+    assert model_fusions.recommended_fusion_flags("cpu") == {f: False for f in model_fusions.FUSION_FLAGS}
+    assert model_fusions.adamw_implementation("cpu", tmp_path) == "fused"  # no summary yet
+    results.record(tmp_path, model_fusions.NOTEBOOK, "device", "cpu")
+    results.record(tmp_path, model_fusions.NOTEBOOK, "adamw_fastest", "foreach")
+    results.record(tmp_path, model_fusions.NOTEBOOK, "fusion_flags_clearly_faster", True)
+    assert model_fusions.adamw_implementation("cpu", tmp_path) == "foreach"
+    assert model_fusions.recommended_fusion_flags("cpu", tmp_path) == {f: True for f in model_fusions.FUSION_FLAGS}
+    results.record(tmp_path, model_fusions.NOTEBOOK, "adamw_fastest", "apex-fused")  # unavailable here
+    assert model_fusions.adamw_implementation("cpu", tmp_path) == "fused"
+    results.record(tmp_path, model_fusions.NOTEBOOK, "device", "cuda")  # measured elsewhere: ignored
+    assert model_fusions.recommended_fusion_flags("cpu", tmp_path) == {f: False for f in model_fusions.FUSION_FLAGS}
+    opt = optimizer.make_adamw([torch.zeros(2, requires_grad=True)], model_fusions.adamw_implementation("cpu"), lr=1e-3)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True and opt.implementation == "fused"
 
 
 def test_unusable_device_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="no CUDA GPU"):
-        fusion.time_calls({"a": lambda: None}, device="cuda")
+        timing.time_calls({"a": lambda: None}, device="cuda")
 
 
 @pytest.mark.gpu
 def test_cuda_timing_uses_events_and_fused_adamw_agrees():
-    t = fusion.time_calls({"mm": lambda: torch.ones(512, 512, device="cuda") @ torch.ones(512, 512, device="cuda")},
+    t = timing.time_calls({"mm": lambda: torch.ones(512, 512, device="cuda") @ torch.ones(512, 512, device="cuda")},
                           device="cuda", repeats=3)
     assert t["mm"].clock == "torch.cuda.Event" and t["mm"].median_s > 0
     params = [torch.randn(256, 256, device="cuda") for _ in range(4)]
-    bench = fusion.benchmark_adamw(params, device="cuda", check_steps=3, warmup=1, repeats=3)
+    bench = adamw.benchmark_adamw(params, device="cuda", check_steps=3, warmup=1, repeats=3)
     assert all(bench.agrees.values())
