@@ -71,10 +71,8 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
                              "step_micro_batch_size": 1, "step_repeats": 3},
         "05_parallelism": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
                            "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 3, "timeout_s": 300,
-                           "max_files": 150, "vocab_size": 1024, "split": "90,8,2", "run_pp_own_init": False},
-        "06_conversion": {"max_new_tokens": 8, "continue_iters": 2, "max_files": 150, "vocab_size": 1024,
-                          "split": "90,8,2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                          "seq_length": 64, "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12},
+                           "run_pp_own_init": False},
+        "06_conversion": {"max_new_tokens": 8, "continue_iters": 2},
     },
 }
 

@@ -56,6 +56,7 @@ from helpers.environment import package_version
 from helpers.optimizer import ADAMW_CALLS, build_optimizer, build_scheduler, grad_norm_and_clip
 from helpers.training_config import MetricsLogger, TrainingConfig, num_microbatches, read_metrics, resolve_precision
 
+
 # =========================================================================== data
 def build_datasets(cfg: TrainingConfig, data_parallel_size: int = 1):
     """megatron-core ``GPTDataset`` s for train / validation / test over the run's ``.bin/.idx``.
@@ -69,7 +70,6 @@ def build_datasets(cfg: TrainingConfig, data_parallel_size: int = 1):
         ``(train, valid, test)``; each sample is a dict of ``tokens``, ``labels``,
         ``loss_mask``, ``position_ids``: ``[seq_length]`` tensors.
     """
-
     n_eval = cfg.eval_iters * cfg.global_batch_size
     return dataloader.build_gpt_datasets(
         str(cfg.data_prefix_path), str(cfg.tokenizer_path), seq_length=cfg.model.seq_length,
@@ -103,7 +103,6 @@ def collate(dataset, indices: list[int], device: Any = "cpu") -> dict[str, Any]:
         ``tokens``, ``labels``, ``position_ids`` int64 ``[micro_batch, seq]`` and ``loss_mask``
         fp32 ``[micro_batch, seq]`` on ``device``.
     """
-
     samples = [dataset[i % len(dataset)] for i in indices]
     out = {}
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
@@ -116,7 +115,6 @@ def collate(dataset, indices: list[int], device: Any = "cpu") -> dict[str, Any]:
 @dataclass
 class Trainer:
     """Everything a training step needs (built by :func:`setup`)."""
-
     cfg: TrainingConfig
     dist_info: dict[str, int]
     model: Any  # DDP-wrapped (or bare) GPTModel
@@ -152,7 +150,6 @@ def loss_func(loss_mask, output_tensor):
 
 def forward_step(batches: Iterator[dict[str, Any]], model):
     """Megatron's ``forward_step(data_iterator, model)``: returns output and loss function."""
-
     batch = next(batches)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
@@ -160,7 +157,6 @@ def forward_step(batches: Iterator[dict[str, Any]], model):
 
 def _run_schedule(trainer: Trainer, batches: list[dict[str, Any]], forward_only: bool) -> float | None:
     """Run the micro-batches through megatron-core's schedule; the mean loss on the last stage."""
-
     cfg = trainer.cfg
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=[trainer.model],
@@ -226,7 +222,6 @@ def evaluate(trainer: Trainer, dataset=None, eval_iters: int | None = None) -> f
         The loss on the last pipeline stage, None elsewhere, and None when there is no
         dataset (a ``split`` whose valid weight is 0: Megatron-LM then skips evaluation).
     """
-
     dataset = trainer.valid_ds if dataset is None else dataset
     if dataset is None:
         return None
@@ -248,8 +243,6 @@ def setup(cfg: TrainingConfig) -> Trainer:
     Raises:
         ValueError / FileNotFoundError: see :meth:`TrainingConfig.check`.
     """
-
-
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
     cfg.check(world_size)
     precision = resolve_precision(cfg.precision)
@@ -346,7 +339,6 @@ def load(trainer: Trainer) -> int:
 class _ExitSignal:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the end of the iteration and
     exits (Megatron-LM ``--exit-signal-handler``)."""
-
     def __init__(self) -> None:
         self.received: int | None = None
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -375,7 +367,6 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
         ``{run_dir}/training_summary.json``):
         parameters, iterations, final train/validation loss, tokens/s, optimizer, checkpoint.
     """
-
     exit_flag = _ExitSignal()
     t_setup = time.perf_counter()
     trainer = setup(cfg)

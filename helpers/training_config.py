@@ -25,6 +25,7 @@ from helpers.model import ModelConfig
 SUMMARY_FILE = "training_summary.json"
 METRICS_FILE = "metrics.jsonl"
 
+
 # =========================================================================== configuration
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -38,7 +39,6 @@ class TrainingConfig:
     Attributes (units): batch sizes in samples of ``seq_length`` tokens; iterations are
     optimizer steps; ``lr``/``min_lr`` per step; intervals in iterations.
     """
-
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
     data_prefix: str | None = None
@@ -283,7 +283,6 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
-
 # =========================================================================== logging
 class MetricsLogger:
     """Writes each log record to the console, ``metrics.jsonl`` and TensorBoard.
@@ -293,7 +292,6 @@ class MetricsLogger:
     from an interrupted run are dropped from ``metrics.jsonl`` and TensorBoard
     (``purge_step``) so curves have no duplicates; a run from scratch starts a new file.
     """
-
     def __init__(self, cfg: TrainingConfig, active: bool, start_iteration: int = 0):
         self.active = active
         self.path = cfg.metrics_file

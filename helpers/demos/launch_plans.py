@@ -1,0 +1,179 @@
+"""Launching a layout on many machines: per-node torchrun commands, Megatron-LM arguments, sbatch.
+
+Notebook 05, section 6 ("Past one machine: the multi-node launch": :func:`launch_plan`,
+:meth:`LaunchPlan.commands`, :func:`megatron_lm_args`, :func:`sbatch_script`) and section 4
+("Training for real": every run of :func:`helpers.demos.layout_runs.run_layout` is the node-0
+command of a one-node :class:`LaunchPlan`); section 7 shows :func:`launch_plan` refusing a
+node count that does not match the layout.
+
+Sources: PyTorch "torchrun (Elastic Launch)" (static and c10d rendezvous); SLURM ``sbatch`` and
+``srun``; Megatron-LM ``megatron/training/arguments.py`` (``--tensor-model-parallel-size``,
+``--use-distributed-optimizer``, ``--recompute-*``); Narayanan et al. 2021
+(arXiv:2104.04473) section 3.3 (TP inside a node).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+from helpers.model import Layout
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A torchrun launch of ``target`` for a layout on ``nnodes`` machines.
+
+    Attributes:
+        layout: the parallel layout (its world size = nnodes x nproc_per_node).
+        nnodes, nproc_per_node: machines and processes (GPUs) per machine.
+        master_addr, master_port: the rendezvous (node 0's address and a free port on it).
+        target: the module and its arguments, e.g. ``["helpers.training", "--config", "run.json"]``.
+    """
+
+    layout: Layout
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    target: tuple[str, ...]
+
+    def node_command(self, node_rank: int, torchrun: Sequence[str] = ("torchrun",)) -> list[str]:
+        """The command to start on machine ``node_rank`` (static rendezvous, as
+        ``helpers.launch.torchrun_command`` writes it). ``torchrun`` is the launcher's argv
+        prefix: ``("torchrun",)`` on a cluster, ``(sys.executable, "-m", "torch.distributed.run")``
+        here.
+
+        Raises:
+            ValueError: ``node_rank`` outside [0, nnodes).
+        """
+        from helpers import launch
+
+        if not 0 <= node_rank < self.nnodes:
+            raise ValueError(f"node_rank={node_rank} must be in [0, {self.nnodes})")
+        cmd = launch.torchrun_command(list(self.target), nproc_per_node=self.nproc_per_node, nnodes=self.nnodes,
+                                      node_rank=node_rank, master_addr=self.master_addr, master_port=self.master_port)
+        return list(torchrun) + cmd[3:]
+
+    def commands(self) -> list[str]:
+        """One shell line per node (``torchrun ...``)."""
+        return [shlex.join(self.node_command(n)) for n in range(self.nnodes)]
+
+    def local_command(self) -> list[str]:
+        """Node 0's command with this Python's ``-m torch.distributed.run`` (what
+        ``helpers.launch.torchrun`` executes on one machine)."""
+        return self.node_command(0, (sys.executable, "-m", "torch.distributed.run"))
+
+
+def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc_per_node: int | None = None,
+                master_addr: str = "127.0.0.1", master_port: int | None = None,
+                warn_tp_across_nodes: bool = True) -> LaunchPlan:
+    """Plan the torchrun launch of ``target`` for ``layout`` on ``nnodes`` machines.
+
+    Args:
+        layout: TP, PP, DP sizes; world size = nnodes x nproc_per_node.
+        target: module and arguments run by every process.
+        nnodes: machines; ``nproc_per_node`` GPUs each (default world size / nnodes).
+        master_addr, master_port: node 0's address and port (a free local port by default).
+
+    Raises:
+        ValueError: ``nnodes`` below 1, or the world size is not nnodes x nproc_per_node.
+
+    Warns:
+        UserWarning: a TP group spans machines (TP all-reduces twice per layer in forward and
+            backward, so Megatron keeps TP inside a node's NVLink domain; Narayanan et al. 2021,
+            section 3.3).
+    """
+    from helpers import launch
+
+    if nnodes < 1:
+        raise ValueError(f"nnodes={nnodes} must be >= 1")
+    if nproc_per_node is None:
+        if layout.world_size % nnodes:
+            raise ValueError(f"world size {layout.world_size} ({layout.label}) is not divisible by nnodes={nnodes}")
+        nproc_per_node = layout.world_size // nnodes
+    if nnodes * nproc_per_node != layout.world_size:
+        raise ValueError(
+            f"nnodes x nproc_per_node = {nnodes} x {nproc_per_node} = {nnodes * nproc_per_node} processes, but "
+            f"{layout.label} needs TP x PP x DP = {layout.world_size}: change nnodes, nproc_per_node or the DP size"
+        )
+    if warn_tp_across_nodes and layout.tensor_model_parallel_size > nproc_per_node:
+        warnings.warn(f"tensor_model_parallel_size={layout.tensor_model_parallel_size} > {nproc_per_node} GPUs per "
+                      "node: each TP group spans machines and its all-reduces cross the network", stacklevel=2)
+    port = master_port if master_port is not None else launch.free_port()
+    return LaunchPlan(layout, nnodes, nproc_per_node, master_addr, int(port), tuple(target))
+
+
+def megatron_lm_args(layout: Layout, *, micro_batch_size: int, global_batch_size: int,
+                     distributed_optimizer: bool = False, recompute: str = "none",
+                     sequence_parallel: bool = False) -> list[str]:
+    """Megatron-LM ``pretrain_gpt.py`` arguments for a layout (DP is implied: world / (TP x PP)).
+
+    Raises:
+        ValueError: the global batch is not a multiple of micro-batch x DP; unknown recompute.
+    """
+    if global_batch_size % (micro_batch_size * layout.data_parallel_size):
+        raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
+                         f"{micro_batch_size} x {layout.data_parallel_size}")
+    args = [f"--tensor-model-parallel-size {layout.tensor_model_parallel_size}",
+            f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}",
+            f"--micro-batch-size {micro_batch_size}", f"--global-batch-size {global_batch_size}"]
+    if sequence_parallel:
+        args.append("--sequence-parallel")
+    if distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    if recompute == "selective":
+        args.append("--recompute-activations")
+    elif recompute == "full":
+        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    elif recompute != "none":
+        raise ValueError(f"recompute={recompute!r}: choose 'none', 'selective' or 'full'")
+    return args
+
+
+def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limit: str = "24:00:00",
+                  partition: str | None = None, container_image: str | None = None,
+                  workdir: str = "$SLURM_SUBMIT_DIR", rdzv_port: int = 29500) -> str:
+    """A SLURM batch script that starts ``plan`` with one torchrun per node.
+
+    ``srun`` runs one task per node; every torchrun meets the others through the c10d
+    rendezvous on the first node of the allocation (``--rdzv-backend c10d --rdzv-endpoint
+    head:port --rdzv-id $SLURM_JOB_ID``), so no node needs its rank written in. With
+    ``container_image`` the tasks run inside it (pyxis/enroot ``--container-image``, as on
+    NVIDIA's clusters).
+
+    Returns:
+        The script text (submit it with ``sbatch``).
+    """
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={plan.nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={plan.nproc_per_node}",
+        "#SBATCH --exclusive",
+        f"#SBATCH --time={time_limit}",
+    ]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    lines += [
+        f"#SBATCH --output={job_name}-%j.out",
+        "",
+        f"# {plan.layout.label}: world size {plan.layout.world_size} = {plan.nnodes} nodes x {plan.nproc_per_node} GPUs",
+        "set -euo pipefail",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export OMP_NUM_THREADS=1",
+        f"cd {workdir}",
+        "",
+    ]
+    container = f" --container-image={container_image} --container-mounts={workdir}:{workdir}" if container_image else ""
+    torchrun = [
+        "torchrun", f"--nnodes={plan.nnodes}", f"--nproc_per_node={plan.nproc_per_node}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=$HEAD_NODE:{rdzv_port}", "--rdzv_id=$SLURM_JOB_ID",
+        "-m " + shlex.join(plan.target),
+    ]
+    lines.append(f"srun{container} " + " \\\n    ".join(torchrun))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,383 @@
+"""Training real layouts (TP=2, PP=2, DP=2) under torchrun and comparing them to one process.
+
+Notebook 05, section 4 ("Training for real: TP=2, PP=2 and DP=2 against one process"):
+:func:`comparison_config` (the config every layout shares), :func:`initial_checkpoint` (the
+TP=1 model's initial weights every layout starts from), :func:`run_layout`,
+:func:`loss_table`, :func:`compare_losses` (within :data:`LOSS_ATOL_FP32`), :func:`plot_losses`,
+:func:`timing_table` (4.3); section 7 ("Bad input stops before any process starts":
+:func:`run_layout` refuses a layout before launching); section 8 (the TP=2 run's checkpoint
+for notebook 06).
+
+Entry point (started by torchrun through :mod:`helpers.launch`)::
+
+    python -m helpers.demos.layout_runs --config initial.json   # save the TP=1 initial weights
+
+Sources: Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053) section 3; Narayanan et al.
+2021 (arXiv:2104.04473) section 3 (composing PTD-P); Megatron-LM
+``megatron/training/initialize.py`` (``_set_random_seed``: per-stage seeds); megatron-core
+0.19.2 ``dist_checkpointing`` (resharding a checkpoint to another TP/PP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from helpers.demos.launch_plans import launch_plan
+from helpers.model import Layout, ModelConfig, check_layout
+
+#: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
+_NOTEBOOK = "05_parallelism"
+
+#: Largest per-iteration |loss difference| (nats) accepted as "the same run" in fp32. Reduction
+#: order differs between layouts (a sum split over 2 ranks, then all-reduced), so fp32
+#: round-off (about 1e-7 relative) enters every step; AdamW keeps it at that scale.
+LOSS_ATOL_FP32 = 1e-4
+
+
+@dataclass
+class LayoutRun:
+    """One layout trained by :func:`run_layout`.
+
+    Attributes:
+        layout, name: the layout and its folder name under ``{run_dir}/parallelism``.
+        losses: LM loss (nats/token) of iterations 1..train_iters, in order.
+        s_per_iter: seconds per iteration as logged.
+        valid_losses: validation loss at iteration 0 and at the end.
+        wall_seconds: the torchrun job's wall time (imports, set-up, training, saving).
+        command: the command executed; generated_command: the one
+            :class:`helpers.demos.launch_plans.LaunchPlan` wrote.
+        checkpoint_dir: where its checkpoints are.
+        initial: ``"shared"`` (started from the shared initial checkpoint) or ``"own"``.
+        skipped: the result was read from an earlier run (nothing launched).
+    """
+
+    layout: Layout
+    name: str
+    losses: list[float]
+    s_per_iter: list[float]
+    valid_losses: list[float]
+    wall_seconds: float
+    command: list[str]
+    generated_command: list[str]
+    checkpoint_dir: str
+    initial: str
+    skipped: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layout"] = asdict(self.layout)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LayoutRun":
+        return cls(**{**data, "layout": Layout(**data["layout"])})
+
+
+def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_batch_size: int, global_batch_size: int,
+                      train_iters: int, split: str = "969,30,1", lr: float = 1e-3, seed: int = 1234) -> Any:
+    """The training config every layout of notebook 05 shares (a ``helpers.training_config.TrainingConfig``).
+
+    The ``cpu`` training profile with the given model and batch, fp32, no dropout required but
+    checked, the data of ``{run_dir}/data`` (notebook 01), a loss logged every iteration, one
+    validation batch at the start and the end, no intermediate checkpoints. Its own outputs go
+    to ``{run_dir}/parallelism/``.
+
+    Raises:
+        ValueError: dropout is not 0 (per-rank dropout streams make layouts differ by design),
+            or the vocabulary padding would differ between TP=1 and TP=2 (extra logits rows
+            change the softmax): the message says how to set ``make_vocab_size_divisible_by``.
+    """
+    from helpers import training_config
+
+    run = Path(run_dir).expanduser().resolve()
+    if model.hidden_dropout or model.attention_dropout:
+        raise ValueError(
+            f"hidden_dropout={model.hidden_dropout}, attention_dropout={model.attention_dropout}: layouts draw "
+            "dropout masks from different RNG streams (one per TP rank), so their losses cannot be compared step by "
+            "step. Use dropout 0 for this comparison."
+        )
+    if model.padded_vocab_size(1) != model.padded_vocab_size(2):
+        raise ValueError(
+            f"vocab_size={model.vocab_size} pads to {model.padded_vocab_size(1)} rows at TP=1 but "
+            f"{model.padded_vocab_size(2)} at TP=2 (Megatron pads to a multiple of make_vocab_size_divisible_by x TP), "
+            "so the models differ. Use a vocabulary that is a multiple of "
+            f"{2 * model.make_vocab_size_divisible_by}, or a smaller make_vocab_size_divisible_by."
+        )
+    warmup = max(1, min(10, train_iters // 5))
+    return training_config.profile(
+        "cpu", str(run / "parallelism"), model=model, data_prefix=str(run / "data" / "codeparrot_content_document"),
+        tokenizer_dir=str(run / "data" / "tokenizer"), split=split, micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size, train_iters=train_iters, lr=lr, min_lr=lr / 10,
+        lr_warmup_iters=warmup if warmup < train_iters else 0, seed=seed, precision="fp32",
+        log_interval=1, eval_interval=train_iters, eval_iters=1, save_interval=None, layer_spec="local",
+    )
+
+
+def launch_env(world_size: int) -> dict[str, str]:
+    """Extra environment of a launch of ``world_size`` processes: ``{"CUDA_VISIBLE_DEVICES": ""}``
+    (GPUs hidden) when there are fewer GPUs than ``world_size`` or than 2 (the largest layout
+    compared), else ``{}``; so every layout of a comparison (and the shard inspection,
+    :mod:`helpers.demos.shards`) runs on the same kind of device: all on the CPU (gloo, fp32),
+    or all on GPUs (NCCL, fp32)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < max(world_size, 2):
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    return {}
+
+
+def _progress_handler(total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="it") if progress else None
+
+    def on_line(line: str) -> None:
+        s = line.strip()
+        if bar is not None and s.startswith("iteration "):
+            try:
+                bar.update(int(s.split()[1].split("/")[0]) - bar.n)
+            except (IndexError, ValueError):
+                pass
+            if "lm loss:" in s:
+                bar.set_postfix(loss=s.split("lm loss:")[1].split("|")[0].strip())
+
+    return bar, on_line
+
+
+def initial_checkpoint(base: Any, *, timeout_s: float = 600.0, progress: bool = True) -> Path:
+    """Save the TP=1 model's initial weights once, as ``iter_0000000`` (cached).
+
+    Every layout of the comparison starts from this checkpoint, loaded and resharded by
+    ``dist_checkpointing`` into its own layout, so all start from identical weights. (From
+    scratch, a pipeline stage r > 0 seeds with seed + 100 r and initialises only its own layers,
+    as Megatron-LM's ``_set_random_seed`` does, so its layers differ from the TP=1 model's.)
+    One process: ``python -m helpers.demos.layout_runs --config ...``.
+
+    Args:
+        base: :func:`comparison_config`.
+
+    Returns:
+        The checkpoint folder ``{run_dir}/parallelism/initial`` (holding ``iter_0000000``).
+
+    Raises:
+        checkpointing.CheckpointMismatchError: a cached initial checkpoint of another model shape.
+        helpers.launch.LaunchError: the job failed or timed out.
+    """
+    from helpers import checkpointing, launch
+
+    folder = base.run_path / "initial"
+    cfg = replace(base, checkpoint_dir=str(folder), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if checkpointing.latest_iteration(folder) == 0:
+        checkpointing.check_compatible(checkpointing.read_model_config(folder, 0), cfg.model.to_metadata(1), folder)
+        return folder
+    cfg.check(1)
+    config_path = cfg.to_json(base.run_path / "initial.json")
+    launch.torchrun(["helpers.demos.layout_runs", "--config", str(config_path)], nproc_per_node=1,
+                    timeout_s=timeout_s, env=launch_env(1), on_line=None if not progress else _print_marked,
+                    log_path=base.run_path / "initial.log")
+    return folder
+
+
+def _print_marked(line: str) -> None:
+    if line.startswith(">"):
+        print(line, flush=True)
+
+
+def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint_dir: str | os.PathLike | None = None,
+               name: str | None = None, timeout_s: float = 900.0, progress: bool = True) -> LayoutRun:
+    """Train ``base`` with ``layout`` under torchrun on this machine and collect its losses.
+
+    The launch is the node-0 command of a one-node :class:`LaunchPlan`; the command
+    ``helpers.launch.torchrun`` executed is checked to be exactly that one. Cached: when the
+    layout already finished ``train_iters`` with the same config, its stored result is returned
+    (``skipped=True``).
+
+    Args:
+        base: :func:`comparison_config`.
+        layout: the layout; ``layout.world_size`` processes are started.
+        initial: ``"shared"``: start from :func:`initial_checkpoint` (made if missing);
+            ``"own"``: let the layout initialise its own weights (Megatron's per-stage seeds).
+        checkpoint_dir: where to save (default ``{run_dir}/parallelism/<name>/checkpoints``).
+        name: folder name (default ``layout.name``, plus ``_own_init`` for ``initial="own"``).
+        timeout_s: wall-clock limit of the job (s); past it every process is killed.
+
+    Returns:
+        :class:`LayoutRun`.
+
+    Raises:
+        ValueError: :func:`helpers.model.check_layout` refuses the layout, or the folder holds a run of
+            another config (nothing is launched or deleted); an unknown ``initial``.
+        FileNotFoundError: the data of notebook 01 is missing.
+        helpers.launch.LaunchError: a rank failed (named) or the job timed out.
+    """
+    from helpers import checkpointing, launch, training_config
+
+    if initial not in ("shared", "own"):
+        raise ValueError(f"initial={initial!r}: choose 'shared' or 'own'")
+    check_layout(base.model, layout, world_size=layout.world_size, micro_batch_size=base.micro_batch_size,
+                 global_batch_size=base.global_batch_size)
+    name = name or layout.name + ("_own_init" if initial == "own" else "")
+    folder = base.run_path / name
+    ckpt = Path(checkpoint_dir).expanduser().resolve() if checkpoint_dir else folder / "checkpoints"
+    cfg = replace(base, tensor_model_parallel_size=layout.tensor_model_parallel_size,
+                  pipeline_model_parallel_size=layout.pipeline_model_parallel_size, checkpoint_dir=str(ckpt),
+                  metrics_path=str(folder / "metrics.jsonl"),
+                  tensorboard_dir=str(base.run_path.parent / "tensorboard" / f"{_NOTEBOOK}_{name}"))
+    cfg.check(layout.world_size)
+    config_path, result_path = folder / "run.json", folder / "layout_run.json"
+    if config_path.exists() and json.loads(config_path.read_text()) != cfg.to_dict():
+        raise ValueError(
+            f"{folder} holds a run of another config ({config_path}). Nothing was launched or changed: use another "
+            f"run_dir, or delete {folder}" + (f" and {ckpt}" if checkpoint_dir else "") + " to rerun."
+        )
+    latest = checkpointing.latest_iteration(ckpt)
+    if latest is not None and not config_path.exists():
+        raise ValueError(
+            f"{ckpt} already holds a checkpoint (iteration {latest}) that run_layout did not make for {name}: "
+            "nothing was launched or changed. Pass another checkpoint_dir, or delete that folder to rerun."
+        )
+    if latest is not None:
+        saved = checkpointing.read_model_config(ckpt, latest)
+        checkpointing.check_compatible(saved, cfg.model.to_metadata(layout.tensor_model_parallel_size), ckpt)
+        if latest >= cfg.train_iters and result_path.exists():
+            return replace(LayoutRun.from_dict(json.loads(result_path.read_text())), skipped=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.to_json(config_path)
+    linked = None
+    if initial == "shared" and latest is None:
+        init_dir = initial_checkpoint(base, timeout_s=timeout_s, progress=progress)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        linked = checkpointing.iteration_dir(ckpt, 0)
+        if linked.is_symlink():
+            linked.unlink()
+        linked.symlink_to(checkpointing.iteration_dir(init_dir, 0), target_is_directory=True)
+        (ckpt / checkpointing.TRACKER_FILE).write_text("0\n")
+    plan = launch_plan(layout, ["helpers.training", "--config", str(config_path)])
+    bar, on_line = _progress_handler(cfg.train_iters, layout.label, progress)
+    try:
+        res = launch.torchrun(list(plan.target), nproc_per_node=plan.nproc_per_node, timeout_s=timeout_s,
+                              master_port=plan.master_port, env=launch_env(layout.world_size), on_line=on_line,
+                              log_path=folder / "training.log")
+    finally:
+        if bar is not None:
+            bar.close()
+    if res.command != plan.local_command():
+        raise RuntimeError(f"executed {shlex.join(res.command)} but the plan generated {shlex.join(plan.local_command())}")
+    initial_link = checkpointing.iteration_dir(ckpt, 0)
+    if initial_link.is_symlink():  # the shared initial weights stay in {run_dir}/parallelism/initial only
+        initial_link.unlink()
+    metrics = training_config.read_metrics(cfg.metrics_file)
+    train = sorted(metrics["train"], key=lambda r: r["iteration"])
+    run = LayoutRun(layout=layout, name=name, losses=[r["lm_loss"] for r in train],
+                    s_per_iter=[r["s_per_iter"] for r in train], valid_losses=[r["lm_loss"] for r in metrics["valid"]],
+                    wall_seconds=round(res.wall_seconds, 2), command=res.command,
+                    generated_command=plan.local_command(), checkpoint_dir=str(ckpt), initial=initial)
+    result_path.write_text(json.dumps(run.to_dict(), indent=2) + "\n")
+    return run
+
+
+def compare_losses(reference: LayoutRun, runs: Sequence[LayoutRun], atol: float = LOSS_ATOL_FP32) -> list[dict[str, Any]]:
+    """Per run: the largest |loss - reference loss| over the iterations, and whether it is <= atol.
+
+    Returns:
+        Rows for ``helpers.results.markdown_table``: ``[{"run", "layout", "initial weights",
+        "max_abs_diff", "first_iteration_diff", "within_atol"}]`` (differences in nats/token).
+
+    Raises:
+        ValueError: a run has a different number of iterations than the reference.
+    """
+    rows = []
+    for run in runs:
+        if len(run.losses) != len(reference.losses):
+            raise ValueError(f"{run.name} logged {len(run.losses)} iterations, the reference {len(reference.losses)}")
+        diffs = [abs(a - b) for a, b in zip(run.losses, reference.losses)]
+        rows.append({"run": run.name, "layout": run.layout.label, "initial weights": run.initial,
+                     "max_abs_diff": max(diffs), "first_iteration_diff": diffs[0], "within_atol": max(diffs) <= atol})
+    return rows
+
+
+def loss_table(runs: Sequence[LayoutRun]) -> list[dict[str, Any]]:
+    """One row per iteration: ``{"iteration": i, <run name>: LM loss (nats/token), ...}``, for
+    ``helpers.results.markdown_table`` (pass ``digits=7`` to see fp32 round-off).
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("loss_table needs at least one run")
+    return [{"iteration": i + 1, **{r.name: r.losses[i] for r in runs}} for i in range(len(runs[0].losses))]
+
+
+def timing_table(runs: Sequence[LayoutRun], tokens_per_iteration: int) -> list[dict[str, Any]]:
+    """Per run: processes, the launch's wall seconds, the median seconds per iteration and the
+    tokens per second it implies (``tokens_per_iteration`` = global batch x sequence length).
+
+    Returns:
+        Rows for ``helpers.results.markdown_table``: ``[{"run", "processes", "wall_s", "cached",
+        "median_s_per_iter", "tokens_per_s"}]`` (seconds; tokens per second).
+    """
+    rows = []
+    for run in runs:
+        per_iter = sorted(run.s_per_iter)[len(run.s_per_iter) // 2]
+        rows.append({"run": run.name, "processes": run.layout.world_size, "wall_s": run.wall_seconds,
+                     "cached": run.skipped, "median_s_per_iter": round(per_iter, 4),
+                     "tokens_per_s": round(tokens_per_iteration / per_iter)})
+    return rows
+
+
+def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
+    """Left: loss per iteration of every run; right: |difference| to the reference (log scale)."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    its = range(1, len(reference.losses) + 1)
+    ax1.plot(its, reference.losses, "k-", lw=3, alpha=0.4, label=f"{reference.name} (reference)")
+    markers = "os^vDx"
+    for i, run in enumerate(runs):
+        ax1.plot(its, run.losses, marker=markers[i % 6], ls="--", ms=4, label=run.name)
+        diffs = [max(abs(a - b), 1e-12) for a, b in zip(run.losses, reference.losses)]
+        ax2.semilogy(its, diffs, marker=markers[i % 6], ms=4, label=run.name)
+    ax2.axhline(LOSS_ATOL_FP32, color="red", ls=":", label=f"tolerance {LOSS_ATOL_FP32:g}")
+    ax1.set(title="LM loss per iteration", xlabel="iteration", ylabel="loss (nats/token)")
+    ax2.set(title=f"|loss - {reference.name} loss| (1e-12 = identical)", xlabel="iteration",
+            ylabel="absolute difference (nats/token)")
+    ax1.legend(fontsize=8)
+    ax2.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+
+# =========================================================================== torchrun entry points
+def _init_checkpoint_main(config: str) -> None:
+    """Build the TP=1 trainer (model, DDP, optimizer, scheduler) and save it at iteration 0."""
+    from helpers import distributed, training, training_config
+
+    cfg = training_config.TrainingConfig.from_json(config)
+    trainer = training.setup(cfg)
+    folder = training.save(trainer)
+    n = sum(p.numel() for p in trainer.bare_model.parameters())
+    print(f"> saved the initial weights ({n:,} parameters) to {folder}", flush=True)
+    distributed.destroy_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers.demos.layout_runs --config initial.json``: save the TP=1 model's initial
+    weights as ``iter_0000000`` (what :func:`initial_checkpoint` launches)."""
+    parser = argparse.ArgumentParser(prog="python -m helpers.demos.layout_runs",
+                                     description="save the TP=1 model's initial weights as iter_0000000")
+    parser.add_argument("--config", required=True, help="a helpers.training_config.TrainingConfig JSON file")
+    args = parser.parse_args(argv)
+    _init_checkpoint_main(args.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
