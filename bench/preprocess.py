@@ -250,7 +250,7 @@ def input_file(jsonl: Path, copies: int, out_dir: Path) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the preprocessing benchmark (see the module docstring); returns the result dict."""
-    from helpers.preprocess import build_data
+    from helpers.data_stage import build_data
 
     sides = list(SIDES)
     tool = check_megatron_checkout(args.megatron_lm)

@@ -266,7 +266,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         SystemExit: ``--device cuda`` without a CUDA GPU (the message says what runs instead).
     """
-    from helpers.preprocess import build_data
+    from helpers.data_stage import build_data
 
     if args.device == "cuda" and not cuda_available():
         raise SystemExit(

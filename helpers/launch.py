@@ -280,7 +280,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     from tqdm.auto import tqdm
 
     from helpers import checkpointing
-    from helpers.training_config import read_metrics
+    from helpers.metrics import read_metrics
 
     cfg.check(nproc_per_node)
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)

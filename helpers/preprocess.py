@@ -17,9 +17,9 @@ Here every document is one sequence (as with ``--append-eod`` and no sentence sp
 Empty documents are skipped and counted (Megatron-LM's newer ``preprocess_data_fast.py``
 would store them as a lone EOD token); the corpus writer never writes any.
 
-:func:`build_data` is notebook 01's stage (corpus -> JSON Lines -> tokenizer -> .bin/.idx) in one
-run folder, skipping every step whose output already exists; later notebooks read its outputs
-back with :func:`data_paths` after ``helpers.series.require``.
+Notebook 01's stage as a whole (corpus -> JSON Lines -> tokenizer -> .bin/.idx, cached in one
+run folder) is ``helpers.data_stage.build_data``; later notebooks read its outputs back with
+:func:`data_paths` after ``helpers.series.require``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from helpers import corpus as corpus_mod
-from helpers import results
 from helpers import tokenizer as tokenizer_mod
 from helpers.encoders import encode_documents, resolve_engine
 
@@ -44,13 +43,6 @@ JSONL_NAME = "codeparrot_data.json"
 TOKENIZER_DIR = "tokenizer"
 PREFIX_NAME = "codeparrot_content_document"
 MANIFEST_NAME = "data_manifest.json"
-
-#: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
-DEFAULT_SETTINGS: dict[str, Any] = {
-    "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
-    "split": "969,30,1", "seed": 1234,
-}
-
 
 @dataclass
 class PreprocessStats:
@@ -286,135 +278,6 @@ def _load_manifest(data_dir: Path) -> dict[str, Any] | None:
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
-    fd, tmp = results.mkstemp_readable(data_dir, f".{MANIFEST_NAME}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, data_dir / MANIFEST_NAME)
-
-
-def build_data(
-    run_dir: str | os.PathLike,
-    *,
-    source: str | os.PathLike | None = None,
-    text_key: str | None = None,
-    max_files: int | None = None,
-    vocab_size: int | None = None,
-    split: str | None = None,
-    num_workers: int = 2,
-    seed: int | None = None,
-    progress: bool = True,
-    stop_after: str | None = None,
-    engine: str = "auto",
-) -> DataPaths:
-    """Notebook 01's stage: make (or reuse) the whole data stage in ``{run_dir}/data``; cached.
-
-    Steps, each skipped when its output exists: collect and clean the corpus
-    (:func:`helpers.corpus.collect_corpus`) -> ``codeparrot_data.json`` -> train the BPE on
-    the *train-split* documents only (:func:`helpers.tokenizer.train_tokenizer`) ->
-    ``codeparrot_content_document.bin/.idx`` (:func:`tokenize_to_indexed_dataset`).
-    The settings used are stored in ``data/data_manifest.json``.
-
-    A setting left ``None`` means "what this run folder was made with", or the default of
-    :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
-    vocab 8192, split ``969,30,1``, seed 1234). Later notebooks do not call this: they call
-    ``helpers.series.require`` (which runs notebook 01 when its files are missing) and then
-    :func:`data_paths`.
-
-    Args:
-        run_dir: the run folder.
-        source, text_key, max_files, seed: see :func:`helpers.corpus.collect_corpus`.
-        vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`.
-        split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
-            the train part only.
-        num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
-        progress: show progress bars.
-        engine: tokenizing engine, see :func:`tokenize_to_indexed_dataset` (the files do not
-            depend on it, so it is not a data setting; the one that ran is in the manifest).
-        stop_after: ``"corpus"`` or ``"tokenizer"`` to run only up to that step (notebook 01
-            shows the steps one at a time); ``None`` runs them all.
-
-    Returns:
-        :class:`DataPaths`.
-
-    Raises:
-        ValueError: a given setting differs from the one the existing data was made with
-            (the message names it and the fix: a new run folder); or the errors of the steps.
-        FileNotFoundError / ValueError: from the corpus, tokenizer and preprocessing steps.
-    """
-
-    if stop_after not in (None, "corpus", "tokenizer"):
-        raise ValueError(f"stop_after={stop_after!r}: use 'corpus', 'tokenizer' or None")
-    resolve_engine(engine)
-    # Check the settings later steps use before anything is written: a bad one found only at
-    # the tokenizer step would leave a manifest that refuses the corrected rerun.
-    if vocab_size is not None and vocab_size < tokenizer_mod.MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs the byte "
-                         f"alphabet plus special tokens; pass vocab_size >= {tokenizer_mod.MIN_VOCAB_SIZE}")
-    if split is not None and split_document_ranges(1000, split)[0] is None:
-        raise ValueError(f"split={split!r} gives the train part weight 0: the tokenizer is trained on it")
-    data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
-    data_dir.mkdir(parents=True, exist_ok=True)
-    jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
-    requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
-                 "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
-                 "split": split, "seed": seed}
-    manifest = _load_manifest(data_dir)
-    if manifest is not None:
-        for name, value in requested.items():
-            if value is not None and manifest["settings"].get(name) != value:
-                raise ValueError(
-                    f"{data_dir} was made with {name}={manifest['settings'].get(name)!r}, not {value!r}. "
-                    f"Nothing was changed. Use a new run folder for other data settings, or delete {data_dir}."
-                )
-        settings = dict(manifest["settings"])
-    else:
-        settings = {k: (v if v is not None else DEFAULT_SETTINGS[k]) for k, v in requested.items()}
-        manifest = {"settings": settings}
-    built: list[str] = []
-
-    if not jsonl.is_file():
-        result = corpus_mod.collect_corpus(settings["source"], text_key=settings["text_key"],
-                                           max_files=settings["max_files"], seed=settings["seed"])
-        corpus_mod.write_jsonl(result.documents, jsonl)
-        manifest["corpus"] = {"source": result.source, "num_read": result.num_read, "removed": result.removed,
-                              "num_documents": len(result.documents), "num_bytes": result.num_bytes}
-        _write_manifest(data_dir, manifest)
-        built.append("corpus")
-    if not (data_dir / MANIFEST_NAME).is_file():
-        _write_manifest(data_dir, manifest)
-    if stop_after != "corpus" and not tokenizer_mod.tokenizer_exists(tok_dir):
-        texts = corpus_mod.read_contents(jsonl)
-        train_range = split_document_ranges(len(texts), settings["split"])[0]
-        if train_range is None or train_range[1] == train_range[0]:
-            raise ValueError(f"split={settings['split']!r} leaves no training documents out of {len(texts)}: give train a weight")
-        tokenizer_mod.train_tokenizer(texts[train_range[0]:train_range[1]], tok_dir,
-                                      vocab_size=settings["vocab_size"], show_progress=progress)
-        manifest["tokenizer"] = {"train_documents": list(train_range), "vocab_size": tokenizer_mod.vocab_size_of(tok_dir)}
-        _write_manifest(data_dir, manifest)
-        built.append("tokenizer")
-    if stop_after is None and not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
-        stats = tokenize_to_indexed_dataset(jsonl, tok_dir, prefix, num_workers=num_workers,
-                                            progress=progress, overwrite=True, engine=engine)
-        manifest["preprocess"] = asdict(stats) | {"tokens_per_second": stats.tokens_per_second,
-                                                  "documents_per_second": stats.documents_per_second,
-                                                  "megabytes_per_second": stats.megabytes_per_second}
-        _write_manifest(data_dir, manifest)
-        built.append("bin_idx")
-    has_idx = Path(f"{prefix}.idx").is_file()
-    num_documents = len(open_indexed_dataset(prefix)) if has_idx else manifest.get("corpus", {}).get(
-        "num_documents", len(corpus_mod.read_contents(jsonl)))
-    has_tok = tokenizer_mod.tokenizer_exists(tok_dir)
-    vocab = tokenizer_mod.vocab_size_of(tok_dir) if has_tok else settings["vocab_size"]
-    if built:
-        print(f"build_data: built {', '.join(built)} in {data_dir}")
-    else:
-        print(f"build_data: reusing {data_dir} ({num_documents} documents, vocab {vocab}, split {settings['split']})")
-    return DataPaths(jsonl=jsonl, tokenizer_dir=tok_dir, data_prefix=prefix, num_documents=num_documents,
-                     vocab_size=vocab, split=settings["split"], settings=settings, built=built)
 
 
 def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:

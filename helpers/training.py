@@ -54,7 +54,8 @@ from helpers import model as model_lib
 from helpers.distributed import destroy_distributed, initialize_distributed
 from helpers.environment import package_version
 from helpers.optimizer import ADAMW_CALLS, build_optimizer, build_scheduler, grad_norm_and_clip
-from helpers.training_config import MetricsLogger, TrainingConfig, num_microbatches, read_metrics, resolve_precision
+from helpers.metrics import MetricsLogger, read_metrics
+from helpers.training_config import TrainingConfig, num_microbatches, resolve_precision
 
 
 # =========================================================================== data

@@ -231,7 +231,7 @@ def test_count_pip_sources():
 
 
 def test_our_two_sides_name_their_engine_and_write_the_same_files(tmp_path, capsys):
-    from helpers import corpus, encoders, preprocess, tokenizer
+    from helpers import corpus, encoders, tokenizer
 
     texts = ["def f(x):\n    return x + 1\n", "s = '<|endoftext|>'  # a literal EOD string\n",
              "class A:\n    pass\n" * 20, "import os\nprint(os.sep)\n"]

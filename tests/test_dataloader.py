@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import corpus, dataloader, preprocess
+from helpers import corpus, data_stage, dataloader, preprocess
 from helpers.demos import dataset_indices
 from helpers.demos import preprocessing as preprocessing_demo
 
@@ -16,7 +16,7 @@ SEQ = 32
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     run = tmp_path_factory.mktemp("dl") / "run"
-    return preprocess.build_data(run, max_files=40, vocab_size=400, split="8,1,1", progress=False)
+    return data_stage.build_data(run, max_files=40, vocab_size=400, split="8,1,1", progress=False)
 
 
 def _build(data, cache, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 
 #: Plumbing: what runs the series and keeps megatron-core working on a CPU; a learner need not read it.
-PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch"}
+PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics"}
 MAX_MODULE_LINES = 420
 MAX_LEARNER_LINES = 2100
 

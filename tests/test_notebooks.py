@@ -80,7 +80,7 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     03's summary line crashed on the missing part (TypeError on None)."""
     from types import SimpleNamespace
 
-    from helpers import corpus, dataloader, results, training
+    from helpers import corpus, dataloader, results
 
     nb_dir = NOTEBOOKS[0].parent
     shown = []

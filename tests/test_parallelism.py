@@ -297,10 +297,10 @@ def test_expected_tp_allreduces():
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Data of 60 stdlib files (BPE 512) and a 2-layer model, 3 iterations of 2 micro-batches."""
-    from helpers import preprocess
+    from helpers import data_stage
 
     run = tmp_path_factory.mktemp("par")
-    data = preprocess.build_data(run, max_files=60, vocab_size=512, split="90,10,0", progress=False)
+    data = data_stage.build_data(run, max_files=60, vocab_size=512, split="90,10,0", progress=False)
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64,
                         max_position_embeddings=64, vocab_size=data.vocab_size)
     return layout_runs.comparison_config(run, model=model, micro_batch_size=2, global_batch_size=4, train_iters=3,

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import corpus, encoders, preprocess, tokenizer
+from helpers import corpus, data_stage, encoders, preprocess, tokenizer
 from helpers.demos import preprocessing as preprocessing_demo
 
 
@@ -95,7 +95,7 @@ def test_auto_engine_and_bad_engine(small, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"engine='rust': use one of 'auto', 'gigatoken', 'tokenizers'"):
         preprocess.tokenize_to_indexed_dataset(jsonl, tok_dir, tmp_path / "x", progress=False, engine="rust")
     with pytest.raises(ValueError, match=r"engine='rust'"):
-        preprocess.build_data(tmp_path / "run", engine="rust")
+        data_stage.build_data(tmp_path / "run", engine="rust")
     assert list(tmp_path.iterdir()) == []
     real_find_spec = encoders.importlib.util.find_spec
     monkeypatch.setattr(encoders.importlib.util, "find_spec",
@@ -148,7 +148,7 @@ def test_bad_json_line_is_named_and_leaves_nothing_behind(small, tmp_path, secon
 
 def test_build_data_is_idempotent_and_protects_existing_data(tmp_path):
     run = tmp_path / "run"
-    paths = preprocess.build_data(run, max_files=30, vocab_size=400, split="8,1,1", progress=False)
+    paths = data_stage.build_data(run, max_files=30, vocab_size=400, split="8,1,1", progress=False)
     assert paths.built == ["corpus", "tokenizer", "bin_idx"]
     assert paths.data_prefix == run / "data" / "codeparrot_content_document"
     assert paths.jsonl == run / "data" / "codeparrot_data.json" and paths.vocab_size == 400
@@ -159,15 +159,15 @@ def test_build_data_is_idempotent_and_protects_existing_data(tmp_path):
     assert sum(manifest["corpus"]["removed"].values()) == 30 - paths.num_documents
     before = _mtimes(run)
 
-    again = preprocess.build_data(run, progress=False)
+    again = data_stage.build_data(run, progress=False)
     assert again.built == [] and again.split == "8,1,1" and again.num_documents == paths.num_documents
-    assert preprocess.build_data(run, vocab_size=400, progress=False).built == []
+    assert data_stage.build_data(run, vocab_size=400, progress=False).built == []
     with pytest.raises(ValueError, match=r"made with vocab_size=400, not 1024.*new run folder"):
-        preprocess.build_data(run, vocab_size=1024, progress=False)
+        data_stage.build_data(run, vocab_size=1024, progress=False)
     assert _mtimes(run) == before, "a second call rewrote files"
 
     os.remove(f"{paths.data_prefix}.idx")
-    rebuilt = preprocess.build_data(run, progress=False)
+    rebuilt = data_stage.build_data(run, progress=False)
     assert rebuilt.built == ["bin_idx"]
     assert preprocessing_demo.verify_read_back(rebuilt.data_prefix, rebuilt.jsonl, rebuilt.tokenizer_dir, indices=[0, 1]) == 2
 
@@ -177,17 +177,17 @@ def test_build_data_rejects_bad_settings_before_writing(tmp_path):
     (it would refuse the corrected rerun with 'was made with vocab_size=100')."""
     run = tmp_path / "run"
     with pytest.raises(ValueError, match=r"vocab_size=100 is too small.*>= 257"):
-        preprocess.build_data(run, max_files=5, vocab_size=100, progress=False)
+        data_stage.build_data(run, max_files=5, vocab_size=100, progress=False)
     with pytest.raises(ValueError, match=r"split='0,1,1'.*weight 0"):
-        preprocess.build_data(run, max_files=5, split="0,1,1", progress=False)
+        data_stage.build_data(run, max_files=5, split="0,1,1", progress=False)
     with pytest.raises(ValueError, match=r"split='a,b'"):
-        preprocess.build_data(run, max_files=5, split="a,b", progress=False)
+        data_stage.build_data(run, max_files=5, split="a,b", progress=False)
     assert not run.exists()
 
 
 def test_build_corpus_dataset_uses_the_run_tokenizer(tmp_path):
     run = tmp_path / "run"
-    main = preprocess.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
+    main = data_stage.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
     extra = preprocessing_demo.build_corpus_dataset(run, "stdlib_tests", source=corpus.stdlib_dir() / "json", progress=False)
     assert extra.built and extra.num_documents >= 3
     assert extra.data_prefix == run / "data" / "stdlib_tests_content_document"
@@ -201,7 +201,7 @@ def test_data_paths_reads_back_what_build_data_made_and_names_the_command_when_m
     run = tmp_path / "run"
     with pytest.raises(FileNotFoundError, match=r"python -m helpers.series run --only 01"):
         preprocess.data_paths(run)
-    made = preprocess.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
+    made = data_stage.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
     read = preprocess.data_paths(run)
     assert (read.data_prefix, read.tokenizer_dir, read.jsonl) == (made.data_prefix, made.tokenizer_dir, made.jsonl)
     assert (read.num_documents, read.vocab_size, read.split) == (made.num_documents, made.vocab_size, "8,1,1")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import checkpointing, launch, optimizer, training, training_config
+from helpers import checkpointing, launch, metrics, optimizer, training, training_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
@@ -27,11 +27,11 @@ TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_lengt
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.preprocess.build_data."""
-    from helpers import preprocess
+    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.data_stage.build_data."""
+    from helpers import data_stage
 
     run = tmp_path_factory.mktemp("train-data")
-    return preprocess.build_data(run, max_files=120, vocab_size=1024, progress=False)
+    return data_stage.build_data(run, max_files=120, vocab_size=1024, progress=False)
 
 
 def tiny_config(data, run_dir, **overrides) -> training_config.TrainingConfig:
@@ -191,7 +191,7 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
 
 
 def _train_losses(cfg) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in training_config.read_metrics(cfg.metrics_file)["train"]}
+    return {r["iteration"]: r["lm_loss"] for r in metrics.read_metrics(cfg.metrics_file)["train"]}
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +251,7 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
     assert proc.returncode == 0, out
     assert f"resumed from checkpoint at iteration {killed_at}" in out
     assert _train_losses(cfg) == _train_losses(ref_cfg)  # bit-identical, every iteration
-    valid = lambda c: [(r["iteration"], r["lm_loss"]) for r in training_config.read_metrics(c.metrics_file)["valid"]]
+    valid = lambda c: [(r["iteration"], r["lm_loss"]) for r in metrics.read_metrics(c.metrics_file)["valid"]]
     assert valid(cfg) == valid(ref_cfg)
 
     # A different model shape refuses to resume and leaves the checkpoint untouched.

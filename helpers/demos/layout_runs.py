@@ -217,7 +217,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         FileNotFoundError: the data of notebook 01 is missing.
         helpers.launch.LaunchError: a rank failed (named) or the job timed out.
     """
-    from helpers import checkpointing, launch, training_config
+    from helpers import checkpointing, launch, metrics
 
     if initial not in ("shared", "own"):
         raise ValueError(f"initial={initial!r}: choose 'shared' or 'own'")
@@ -273,7 +273,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     initial_link = checkpointing.iteration_dir(ckpt, 0)
     if initial_link.is_symlink():  # the shared initial weights stay in {run_dir}/parallelism/initial only
         initial_link.unlink()
-    metrics = training_config.read_metrics(cfg.metrics_file)
+    metrics = metrics.read_metrics(cfg.metrics_file)
     train = sorted(metrics["train"], key=lambda r: r["iteration"])
     run = LayoutRun(layout=layout, name=name, losses=[r["lm_loss"] for r in train],
                     s_per_iter=[r["s_per_iter"] for r in train], valid_losses=[r["lm_loss"] for r in metrics["valid"]],

@@ -95,7 +95,7 @@ def build_corpus_dataset(
 ) -> CorpusDataset:
     """Clean ``source`` and tokenize it into ``{run_dir}/data/<name>_content_document.bin/.idx``.
 
-    Cached like :func:`build_data` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
+    Cached like ``helpers.data_stage.build_data`` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
     :func:`tokenize_to_indexed_dataset`); the tokenizer is the run's own
     (``{run_dir}/data/tokenizer``, notebook 01's) unless ``tokenizer_dir`` is given, so the
     corpora can be blended.
@@ -120,7 +120,7 @@ def build_corpus_dataset(
 
 
 def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_dir: str = "Megatron-LM") -> str:
-    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as :func:`build_data`.
+    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as ``helpers.data_stage.build_data``.
 
     The guide's 2022 flags updated: ``--dataset-impl`` and ``--chunk-size`` are gone,
     ``--vocab`` is now an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face
