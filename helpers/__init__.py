@@ -1,4 +1,19 @@
-"""Helpers for the megatron-core GPT notebook series: one small module per stage.
+"""Helpers for the megatron-core GPT notebook series, in three kinds.
+
+**The learner's path** (what the notebooks teach, in reading order; each module a sitting):
+``corpus`` (CodeParrot's cleaning) -> ``tokenizer`` (byte-level BPE) -> ``preprocess``
+(``.bin/.idx`` with ``IndexedDatasetBuilder``) -> ``dataloader`` (``GPTDatasetConfig`` +
+``BlendedMegatronDatasetBuilder``) -> ``model`` (``TransformerConfig``, ``GPTModel``,
+``attention``) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, schedule, clipping)
+-> ``training_config`` + ``training`` (the ``pretrain_gpt.py`` counterpart) -> ``checkpointing``
+(``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map).
+
+**Demonstrations** (``helpers.demos``): what one notebook uses to *show* something (timings,
+simulations, drawings, proofs); each module names its notebook and nothing above imports them.
+
+**Plumbing**: ``series`` (the papermill runner and the stage order), ``data_stage`` (notebook 01's
+cached stage), ``launch`` (torchrun from a notebook), ``metrics``, ``encoders`` (fast tokenizing),
+``results``, ``environment``, ``cpu_compat`` (megatron-core on a CPU), ``quiet``.
 
 Import modules explicitly, e.g. ``from helpers import corpus, results``. Nothing here
 imports megatron-core or torch at package import time, so ``import helpers`` is instant.

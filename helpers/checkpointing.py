@@ -29,6 +29,8 @@ from helpers import results
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG_FILE = "model_config.json"
+#: Keys of a checkpoint that are training state, not the model.
+NON_MODEL_KEY_PREFIXES: tuple[str, ...] = ("optimizer.", "rng_state", "opt_param_scheduler")
 
 #: ModelConfig fields that must match to resume: a different value means a different model shape.
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -269,11 +271,120 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, template:
     return dist_checkpointing.load(template, str(iteration_dir(checkpoint_dir, iteration)))
 
 
+def read_model_tensors(folder: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
+    """Every model tensor of a torch_dist ``iter_NNNNNNN`` folder at its global (merged) shape, in this process.
+
+    ``dist_checkpointing.load_tensors_metadata`` lists each sharded tensor with its global shape
+    (a TP=2 checkpoint stores each rank's slice with its offset) and ``dist_checkpointing.load``
+    reads whole tensors, whatever TP size saved them. The per-layer stacked keys
+    (``decoder.layers.self_attention.linear_qkv.weight`` ``[layers, 3h, h]``) are split into
+    ``decoder.layers.{i}.self_attention.linear_qkv.weight``; names stay the checkpoint's (layer
+    norms under Transformer Engine names, ``linear_qkv.layer_norm_weight``: the local spec's
+    ``sharded_state_dict_keys_map``). Optimizer moments and RNG states are not read. The loader
+    needs a process group: ``helpers.distributed.single_process`` provides one if none exists.
+
+    Returns:
+        ``(tensors, non_model_keys)``: ``{name: tensor}`` (``_extra_state`` entries included as
+        loaded) and the training-state keys left unread.
+    """
+    import re
+
+    from megatron.core import dist_checkpointing
+
+    from helpers.distributed import single_process
+
+    with single_process():
+        metadata = dist_checkpointing.load_tensors_metadata(str(folder))
+        model_keys = {k: v for k, v in metadata.items() if not k.startswith(NON_MODEL_KEY_PREFIXES)}
+        loaded = dist_checkpointing.load(model_keys, str(folder), validate_access_integrity=False) if model_keys else {}
+    out: dict[str, Any] = {}
+    for key in model_keys:  # load() also returns the common (non-sharded) entries: keep what was asked for
+        if key.startswith("decoder.layers.") and not re.match(r"^decoder\.layers\.\d+\.", key) \
+                and not key.endswith("._extra_state"):
+            for i in range(loaded[key].shape[0]):
+                out[f"decoder.layers.{i}.{key[len('decoder.layers.'):]}"] = loaded[key][i].clone()
+        else:
+            out[key] = loaded[key]
+    return out, sorted(set(metadata) - set(model_keys))
+
+
+def model_config_from_metadata(meta: dict[str, Any]):
+    """The :class:`~helpers.model.ModelConfig` of a checkpoint's ``model_config.json`` (``ModelConfig.to_metadata()``).
+
+    Extra keys (``padded_vocab_size``, ``gelu``, iteration, parallel sizes...) are ignored.
+
+    Raises:
+        ValueError: a required field (layers, hidden size, heads, positions, vocabulary) is missing.
+    """
+    from helpers.model import ModelConfig
+
+    required = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "vocab_size")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        raise ValueError(f"model config lacks {missing}: it must hold ModelConfig.to_metadata() fields")
+    return ModelConfig(**{k: v for k, v in meta.items() if k in ModelConfig.__dataclass_fields__})
+
+
+def model_from_checkpoint(meta: dict[str, Any], weights: str | os.PathLike | dict | None = None, *,
+                          seed: int = 1234, layer_spec: str | None = None):
+    """The ``GPTModel`` that ``meta`` describes, holding a checkpoint's weights: the series' one way to build it.
+
+    Builds this process's part of the model (its TP/PP layout; a one-process group, TP=PP=1,
+    is initialised when none exists, ``helpers.distributed.initialize_distributed``), then:
+
+    * ``weights`` a torch_dist ``iter_NNNNNNN`` folder: ``dist_checkpointing.load`` reads each
+      of this rank's ``ShardedTensor`` s at its global offset, whatever TP size saved it
+      (vocabulary rows past this layout's padded size are dropped: ``allow_shape_mismatch``);
+    * ``weights`` a state dict of full tensors (TP=1 layout, local-spec names): ``load_state_dict``;
+    * ``weights`` None: the seeded random initialisation.
+
+    ``_extra_state`` entries carry no weights and are not requested.
+
+    Args:
+        meta: ``model_config.json`` (``ModelConfig.to_metadata()`` and more).
+        layer_spec: default ``"local"`` for a state dict or when ``meta`` says so, else ``"auto"``.
+
+    Returns:
+        megatron-core ``GPTModel`` in eval mode (fp32; on the current GPU if there is one), with
+        ``tokenizer_vocab_size`` = ``meta["vocab_size"]``: ``model(tokens [b, s], position_ids [b, s], None)``
+        -> logits ``[b, s, padded_vocab / TP]``.
+
+    Raises:
+        ValueError: a weight the source did not provide, or a key the model does not have (listed).
+    """
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from helpers import model as model_lib
+    from helpers.distributed import initialize_distributed
+
+    if not parallel_state.model_parallel_is_initialized():
+        initialize_distributed(1, 1, seed=seed)
+    cfg = model_config_from_metadata(meta)
+    spec = layer_spec or ("local" if isinstance(weights, dict) or meta.get("layer_spec") == "local" else "auto")
+    gpt = model_lib.build_model(cfg, layer_spec=spec)
+    if torch.cuda.is_available():
+        gpt.cuda()
+    if weights is not None:
+        if not isinstance(weights, dict):
+            sharded = {k: v for k, v in gpt.sharded_state_dict().items() if not k.endswith("._extra_state")}
+            loaded = dist_checkpointing.load(sharded, str(weights))
+            weights = {k: loaded[k] for k in sharded}
+        result = gpt.load_state_dict(weights, strict=False)
+        bad = [k for k in result.missing_keys if not k.endswith("._extra_state")] + list(result.unexpected_keys)
+        if bad:
+            raise ValueError(f"GPTModel and the weights of {meta.get('iteration', 'the checkpoint')} do not match: "
+                             f"missing or unexpected keys {bad}")
+    gpt.tokenizer_vocab_size = cfg.vocab_size
+    return gpt.eval()
+
+
 def load_model(checkpoint_dir: str | os.PathLike, iteration: int | None = None, *, seed: int = 1234):
     """Build the GPTModel a checkpoint was trained with and load its weights (model only).
 
-    Runs in the calling process: initialises a one-process group (TP=PP=1) when none exists,
-    so a notebook or a converter can use it; a TP/PP checkpoint is resharded on load.
+    :func:`model_from_checkpoint` of ``model_config.json`` and the ``iter_NNNNNNN`` folder, in the
+    calling process (a one-process group when none exists, so a notebook or a converter can use
+    it; under ``torchrun`` with TP/PP the checkpoint is resharded on load).
 
     Returns:
         ``(gpt_model, metadata)``: megatron-core ``GPTModel`` in eval mode (fp32, CPU or the
@@ -282,23 +393,6 @@ def load_model(checkpoint_dir: str | os.PathLike, iteration: int | None = None, 
     Raises:
         FileNotFoundError: no checkpoint in ``checkpoint_dir``.
     """
-    import torch
-    from megatron.core import dist_checkpointing, parallel_state
-
-    from helpers import model as model_lib
-    from helpers.distributed import initialize_distributed
-
     meta = read_model_config(checkpoint_dir, iteration)
-    iteration = meta["iteration"] if iteration is None else iteration
-    if not parallel_state.model_parallel_is_initialized():
-        initialize_distributed(1, 1, seed=seed)
-    fields = {f for f in model_lib.ModelConfig.__dataclass_fields__}
-    cfg = model_lib.ModelConfig.from_dict({k: v for k, v in meta.items() if k in fields})
-    gpt = model_lib.build_model(cfg, layer_spec="local" if meta.get("layer_spec") == "local" else "auto")
-    if torch.cuda.is_available():
-        gpt.cuda()
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(iteration_dir(checkpoint_dir, iteration)))
-    gpt.load_state_dict(state["model"], strict=True)
-    gpt.tokenizer_vocab_size = cfg.vocab_size
-    gpt.eval()
-    return gpt, meta
+    iteration = latest_iteration(checkpoint_dir) if iteration is None else iteration
+    return model_from_checkpoint(meta, iteration_dir(checkpoint_dir, iteration), seed=seed), meta

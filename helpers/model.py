@@ -474,12 +474,15 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
 
 
 def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id: int | None = None,
-                    repetition_penalty: float = 1.0) -> list[int]:
+                    repetition_penalty: float = 1.0, *, vocab_size: int | None = None) -> list[int]:
     """Greedy decoding with a (TP=1, single-stage) GPTModel: append the argmax token each step.
 
     No KV cache: the whole (cropped) context is recomputed per token, which is fine for a
-    short sample. Padded vocabulary rows (ids >= the tokenizer's size) are never chosen
-    when the model carries ``tokenizer_vocab_size`` (set by ``checkpointing.load_model``).
+    short sample; megatron-core has no ``generate``. Padded vocabulary rows (ids >= the
+    tokenizer's size) are never chosen, as Megatron's inference restricts sampling to the
+    tokenizer's vocabulary. While the text fits the position table and with
+    ``repetition_penalty=1.0`` this is what transformers' ``generate(do_sample=False)`` computes
+    (notebook 06 shows both give the same tokens).
 
     Args:
         gpt: a ``GPTModel`` (eval mode).
@@ -490,6 +493,8 @@ def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id
             positive, multiplies negative logits), as in CTRL (Keskar et al. 2019) and
             transformers' ``repetition_penalty``; 1.0 is plain greedy decoding. Small models
             decoded greedily tend to loop on one token without it.
+        vocab_size: the tokenizer's size; default ``gpt.tokenizer_vocab_size`` (set by
+            ``checkpointing.load_model``), or every row when neither is set.
 
     Returns:
         prompt + generated token ids.
@@ -505,7 +510,7 @@ def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id
         raise ValueError(f"repetition_penalty={repetition_penalty} must be > 0 (1.0 = none)")
     device = next(gpt.parameters()).device
     max_len = gpt.max_sequence_length
-    vocab_size = getattr(gpt, "tokenizer_vocab_size", None)
+    vocab_size = vocab_size if vocab_size is not None else getattr(gpt, "tokenizer_vocab_size", None)
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(max_new_tokens):

@@ -2,25 +2,33 @@
 
 Tiny randomly initialised models (2 layers, hidden 48, 3 or 6 heads, vocabulary 300 or 301
 padded to 384/512 rows) with every weight and bias randomised, so a mis-permuted bias or a
-swapped layer norm changes the logits. One 2-process torchrun job proves the TP=2 path.
+swapped layer norm changes the logits. One 2-process torchrun job proves the TP=2 path
+(``helpers.demos.tensor_parallel_run``); the proofs of notebook 06 come from
+``helpers.demos.conversion_proofs`` and the way back from ``helpers.demos.conversion_way_back``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
+import re
 import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from helpers import checkpointing, conversion
 from helpers import model as model_lib
 from helpers import tokenizer as tokenizer_lib
+from helpers.demos import conversion_proofs as proofs
+from helpers.demos import conversion_way_back, tensor_parallel_run
+from helpers.distributed import initialize_distributed
 
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 300
+QKV_W, QKV_B = "decoder.layers.{}.self_attention.linear_qkv.weight", "decoder.layers.{}.self_attention.linear_qkv.bias"
 
 
 def tiny(**overrides) -> model_lib.ModelConfig:
@@ -31,7 +39,7 @@ def tiny(**overrides) -> model_lib.ModelConfig:
 
 def randomized_model(cfg: model_lib.ModelConfig, seed: int = 0):
     """A local-spec GPTModel with every parameter random (megatron initialises biases to 0, LN to 1)."""
-    conversion.init_megatron_single_process()
+    initialize_distributed(1, 1)
     model = model_lib.build_model(cfg, layer_spec="local").eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -93,13 +101,47 @@ def hf_folder(tmp_path_factory, plain_checkpoint):
     return out, result
 
 
+# --------------------------------------------------------------------------- the weight map
+def test_weight_map_inverts_to_itself_and_names_every_gpt2_weight():
+    from transformers import GPT2LMHeadModel
+
+    assert {mc: hf for hf, mc in conversion.HF_WEIGHT_MAP.items()} == conversion.WEIGHT_MAP
+    assert len(set(conversion.WEIGHT_MAP.values())) == len(conversion.WEIGHT_MAP), "two keys map to one name"
+    rules = conversion.TRANSPOSED | conversion.QKV_PERMUTED | conversion.VOCAB_ROWS
+    assert rules <= set(conversion.WEIGHT_MAP)
+    cfg = tiny(share_embeddings_and_output_weights=False)
+    hf_keys = {k for k in GPT2LMHeadModel(conversion.gpt2_config(cfg)).state_dict()
+               if not re.search(r"\.attn\.(masked_)?bias$", k)}  # the causal-mask buffers, not weights
+    mapped = {hf.format(i) for hf in conversion.WEIGHT_MAP.values() for i in range(cfg.num_layers)}
+    assert hf_keys == mapped
+    mc_keys = set(weights(randomized_model(cfg)))
+    assert mc_keys == {mc.format(i) for mc in conversion.WEIGHT_MAP for i in range(cfg.num_layers)}
+
+
+def test_one_layer_by_hand_equals_the_state_dict_function():
+    """What notebook 06 section 4 does in cells: a loop over the map, the permutation, a transpose."""
+    cfg = tiny(num_attention_heads=6)
+    model = randomized_model(cfg, seed=2)
+    sd = weights(model)
+    hf_sd = conversion.megatron_to_hf_state_dict(sd, cfg)
+    perm = conversion.qkv_row_permutation(cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads)
+    for mc, hf in conversion.WEIGHT_MAP.items():
+        if "{}" not in mc:
+            continue
+        tensor = sd[mc.format(1)]
+        tensor = tensor[perm] if mc in conversion.QKV_PERMUTED else tensor
+        tensor = tensor.t() if mc in conversion.TRANSPOSED else tensor
+        assert torch.equal(tensor, hf_sd[hf.format(1)]), mc
+    assert torch.equal(sd["embedding.word_embeddings.weight"][:VOCAB], hf_sd["transformer.wte.weight"])
+
+
 # --------------------------------------------------------------------------- the QKV permutation
 def test_qkv_permutation_puts_each_heads_rows_where_gpt2_reads_them():
     heads, head_dim = 3, 4
     h = heads * head_dim
     weight = torch.randn(3 * h, h)
     bias = torch.randn(3 * h)
-    c_attn_w, c_attn_b = conversion.qkv_megatron_to_hf(weight, bias, heads)
+    c_attn_w, c_attn_b = conversion.tensor_to_hf(QKV_W, weight, heads), conversion.tensor_to_hf(QKV_B, bias, heads)
     assert c_attn_w.shape == (h, 3 * h)
     for head in range(heads):
         for part in range(3):  # q, k, v
@@ -107,12 +149,12 @@ def test_qkv_permutation_puts_each_heads_rows_where_gpt2_reads_them():
             cols = slice(part * h + head * head_dim, part * h + (head + 1) * head_dim)
             assert torch.equal(c_attn_w[:, cols], weight[rows].t()), (head, part)
             assert torch.equal(c_attn_b[cols], bias[rows]), (head, part)
-    back_w, back_b = conversion.qkv_hf_to_megatron(c_attn_w, c_attn_b, heads)
+    back_w, back_b = conversion.tensor_to_megatron(QKV_W, c_attn_w, heads), conversion.tensor_to_megatron(QKV_B, c_attn_b, heads)
     assert torch.equal(back_w, weight) and torch.equal(back_b, bias)
     perm = conversion.qkv_row_permutation(heads, head_dim)
     assert sorted(perm.tolist()) == list(range(3 * h))
     with pytest.raises(conversion.ConversionError, match="grouped-query"):
-        conversion.qkv_megatron_to_hf(torch.randn(2 * h, h), None, heads)
+        conversion.tensor_to_hf(QKV_W, torch.randn(2 * h, h), heads)
 
 
 # --------------------------------------------------------------------------- exact logits
@@ -130,21 +172,21 @@ def test_converted_logits_equal_megatron_core(overrides):
     assert (hf_sd["lm_head.weight"] is hf_sd["transformer.wte.weight"]) == cfg.share_embeddings_and_output_weights
     hf = hf_from_state_dict(hf_sd, cfg, vocab)
     ids = tokens(vocab=vocab)
-    reference = conversion.megatron_logits(model, ids)
+    reference = proofs.megatron_logits(model, ids)
     assert reference.shape[-1] == cfg.padded_vocab_size()
-    cmp = conversion.compare_logits(reference, conversion.hf_logits(hf, ids))
+    cmp = proofs.compare_logits(reference, proofs.hf_logits(hf, ids))
     assert cmp.max_abs_logit > 1.0, "logits too small for the comparison to mean anything"
     assert cmp.max_abs_diff <= 1e-4
     assert cmp.argmax_agreement == 1.0
     # The comparison can fail: the other GELU, or QKV rows without the per-head permutation.
     other = "gelu" if cfg.gelu == "tanh" else "gelu_new"
     wrong_gelu = hf_from_state_dict(hf_sd, cfg, vocab, activation_function=other)
-    assert conversion.compare_logits(reference, conversion.hf_logits(wrong_gelu, ids)).max_abs_diff > 1e-4
+    assert proofs.compare_logits(reference, proofs.hf_logits(wrong_gelu, ids)).max_abs_diff > 1e-4
     unpermuted = dict(hf_sd)
     for i in range(cfg.num_layers):
         unpermuted[f"transformer.h.{i}.attn.c_attn.weight"] = model.state_dict()[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].t()
     wrong_qkv = hf_from_state_dict(unpermuted, cfg, vocab)
-    assert conversion.compare_logits(reference, conversion.hf_logits(wrong_qkv, ids)).max_abs_diff > 1e-2
+    assert proofs.compare_logits(reference, proofs.hf_logits(wrong_qkv, ids)).max_abs_diff > 1e-2
 
 
 def test_greedy_generation_and_validation_loss_agree():
@@ -152,29 +194,29 @@ def test_greedy_generation_and_validation_loss_agree():
     model = randomized_model(cfg, seed=5)
     hf = hf_from_state_dict(conversion.megatron_to_hf_state_dict(model.state_dict(), cfg), cfg)
     prompt = [5, 17, 42, 7]
-    mc = conversion.greedy_generate_megatron(model, prompt, 12, vocab_size=VOCAB)
-    assert mc == conversion.greedy_generate_hf(hf, prompt, 12)
+    mc = model_lib.greedy_generate(model, prompt, 12, vocab_size=VOCAB)[len(prompt):]
+    assert mc == proofs.greedy_generate_hf(hf, prompt, 12)
     assert len(mc) == 12
     ids = tokens(batch=8, seq=33, seed=9)
     mask = torch.ones(8, 32)
     mask[:, :5] = 0.0
     dataset = [{"tokens": ids[i, :-1], "labels": ids[i, 1:], "loss_mask": mask[i]} for i in range(8)]
     kwargs = dict(num_samples=8, micro_batch_size=4)
-    hf_loss = conversion.validation_loss(lambda t: conversion.hf_logits(hf, t), dataset, **kwargs)
-    mc_real = conversion.validation_loss(lambda t: conversion.megatron_logits(model, t), dataset, vocab_size=VOCAB, **kwargs)
-    mc_full = conversion.validation_loss(lambda t: conversion.megatron_logits(model, t), dataset, **kwargs)
+    hf_loss = proofs.validation_loss(lambda t: proofs.hf_logits(hf, t), dataset, **kwargs)
+    mc_real = proofs.validation_loss(lambda t: proofs.megatron_logits(model, t), dataset, vocab_size=VOCAB, **kwargs)
+    mc_full = proofs.validation_loss(lambda t: proofs.megatron_logits(model, t), dataset, **kwargs)
     assert abs(hf_loss - mc_real) <= 1e-5
     # Megatron's softmax also spans the 84 padding columns: its loss is higher by -log(1 - p_pad).
     terms = []
     for start in (0, 4):
-        probs = conversion.megatron_logits(model, ids[start:start + 4, :-1]).softmax(-1)
+        probs = proofs.megatron_logits(model, ids[start:start + 4, :-1]).softmax(-1)
         gap = -torch.log1p(-probs[..., VOCAB:].sum(-1))
         m = mask[start:start + 4]
         terms.append(((gap * m).sum() / m.sum()).item())
     assert mc_full - hf_loss > 1e-3
     assert mc_full - hf_loss == pytest.approx(sum(terms) / 2, abs=1e-5)
     with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        conversion.validation_loss(lambda t: conversion.hf_logits(hf, t), dataset, num_samples=6, micro_batch_size=4)
+        proofs.validation_loss(lambda t: proofs.hf_logits(hf, t), dataset, num_samples=6, micro_batch_size=4)
 
 
 # --------------------------------------------------------------------------- the transformers folder
@@ -189,20 +231,22 @@ def test_convert_to_hf_writes_a_complete_exact_folder(plain_checkpoint, hf_folde
     assert (config.n_layer, config.n_embd, config.n_head, config.n_positions, config.vocab_size) == (2, 48, 3, 32, VOCAB)
     assert config.activation_function == "gelu" and config.layer_norm_epsilon == cfg.layernorm_epsilon
     assert config.tie_word_embeddings is True
-    assert all(conversion.tokenizer_files_identical(out, tokenizer_dir).values())
+    assert all(proofs.tokenizer_files_identical(out, tokenizer_dir).values())
     eod = tokenizer_lib.eod_id(tokenizer_dir)
     assert GenerationConfig.from_pretrained(out).eos_token_id == eod
     assert json.loads((out / conversion.CONVERSION_FILE).read_text())["padded_rows_removed"] == 84
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = tokens(seed=4)
-    rebuilt = conversion.build_megatron_model(conversion.load_megatron_checkpoint(plain_checkpoint[0]))
-    assert torch.equal(conversion.megatron_logits(rebuilt, ids), conversion.megatron_logits(model, ids))
-    assert conversion.compare_logits(conversion.megatron_logits(model, ids), conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    ckpt = conversion.load_megatron_checkpoint(plain_checkpoint[0])
+    rebuilt = checkpointing.model_from_checkpoint(ckpt.meta, ckpt.state_dict)
+    assert torch.equal(proofs.megatron_logits(rebuilt, ids), proofs.megatron_logits(model, ids))
+    assert proofs.compare_logits(proofs.megatron_logits(model, ids), proofs.hf_logits(hf, ids)).max_abs_diff <= 1e-4
     tok = AutoTokenizer.from_pretrained(out)
     prompt = "def hello_world():"
     generator = pipeline("text-generation", model=str(out), device="cpu")
     text = generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
-    expected = conversion.greedy_generate_megatron(model, tok(prompt)["input_ids"], 6, vocab_size=VOCAB, eod_id=eod)
+    prompt_ids = tok(prompt)["input_ids"]
+    expected = model_lib.greedy_generate(model, prompt_ids, 6, eod_id=eod, vocab_size=VOCAB)[len(prompt_ids):]
     assert text == prompt + tok.decode(expected)
 
 
@@ -223,10 +267,10 @@ def test_round_trip_hf_megatron_hf_is_bit_identical(hf_folder, tmp_path):
     from safetensors.torch import load_file
 
     out, _ = hf_folder
-    folder = conversion.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints", iteration=11)
+    folder = conversion_way_back.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints", iteration=11)
     assert folder.name == "iter_0000011" and checkpointing.latest_iteration(tmp_path / "checkpoints") == 11
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
-        conversion.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints")
+        conversion_way_back.hf_to_megatron_checkpoint(out, tmp_path / "checkpoints")
     back = tmp_path / "hf_again"
     result = conversion.convert_to_hf(tmp_path / "checkpoints", back, tokenizer_dir=out)
     assert result.iteration == 11 and result.padded_rows_removed == 84
@@ -234,7 +278,7 @@ def test_round_trip_hf_megatron_hf_is_bit_identical(hf_folder, tmp_path):
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert json.loads((out / "config.json").read_text()) == json.loads((back / "config.json").read_text())
-    report = conversion.legacy_converter_report(tmp_path / "checkpoints")
+    report = proofs.legacy_converter_report(tmp_path / "checkpoints")
     assert report["converter_in_installed_transformers"] is False
     assert report["legacy_file"] is False and report["legacy_keys_present"] is False
     assert report["checkpoint_keys"][0].startswith("decoder.")
@@ -248,20 +292,19 @@ def test_tp2_checkpoint_converts_to_the_same_model_as_tp1(tmp_path, tokenizer_di
     meta = {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir), "tensor_model_parallel_size": 1}
     checkpointing.save_checkpoint(tmp_path / "tp1", 4, {"model": model.sharded_state_dict()}, meta)
     ids = tokens(seed=12)
-    run = conversion.run_tensor_parallel(2, load=tmp_path / "tp1", tokens=ids, save=tmp_path / "tp2", on_line=None)
+    run = tensor_parallel_run.run_tensor_parallel(2, load=tmp_path / "tp1", tokens=ids, save=tmp_path / "tp2", on_line=None)
     assert run.saved.name == "iter_0000004"
     assert run.logits.shape == (2, 32, cfg.padded_vocab_size(2)) == (2, 32, 512)
     tp2 = conversion.load_megatron_checkpoint(tmp_path / "tp2")
-    assert tp2.tensor_model_parallel_size == 2
+    assert tp2.meta["tensor_model_parallel_size"] == 2
     assert tp2.state_dict["embedding.word_embeddings.weight"].shape[0] == 512
     hf_tp1 = conversion.megatron_to_hf_state_dict(model.state_dict(), cfg)
     hf_tp2 = conversion.megatron_to_hf_state_dict(tp2.state_dict, tp2.meta, VOCAB)
     assert hf_tp1.keys() == hf_tp2.keys()
     assert all(torch.equal(hf_tp1[k], hf_tp2[k]) for k in hf_tp1)
     hf = hf_from_state_dict(hf_tp2, cfg)
-    assert conversion.compare_logits(run.logits, conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
-    resharded = model_lib.build_model(cfg, layer_spec="local").eval()
-    conversion.load_into_model(resharded, tmp_path / "tp2" / "iter_0000004")
+    assert proofs.compare_logits(run.logits, proofs.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    resharded, _ = checkpointing.load_model(tmp_path / "tp2")
     assert all(torch.equal(v, weights(model)[k]) for k, v in weights(resharded).items())
 
 
@@ -270,13 +313,11 @@ def test_tp2_checkpoint_converts_to_the_same_model_as_tp1(tmp_path, tokenizer_di
     ("rope", "rotary"), ("rmsnorm", "RMSNorm"), ("swiglu", "SwiGLU"), ("gqa", "grouped-query"),
 ])
 def test_other_architectures_are_refused_with_the_reason(variant, reason):
-    import dataclasses
-
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    conversion.init_megatron_single_process()
+    initialize_distributed(1, 1)
     cfg = tiny(num_attention_heads=6)
     tc = model_lib.transformer_config(cfg)
     tc = {"rope": tc, "rmsnorm": dataclasses.replace(tc, normalization="RMSNorm"),
@@ -340,35 +381,60 @@ def test_bad_paths_and_tokenizers_are_clear_errors(plain_checkpoint, tokenizer_d
 # --------------------------------------------------------------------------- a real (tiny) training run
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """ensure_trained_checkpoint: 60 stdlib files, BPE of 300 entries, 6 iterations of a 2-layer GPT."""
+    """What notebooks 01 and 03 leave: 60 stdlib files, BPE of 300 entries, 6 iterations of a 2-layer GPT."""
+    from helpers import data_stage, launch
+    from helpers.training_config import TrainingConfig
+
     run = tmp_path_factory.mktemp("run")
-    ckpt_dir, result = conversion.ensure_trained_checkpoint(
-        run, train_iters=6, max_files=60, vocab_size=VOCAB, split="90,10,0",
-        model_overrides=dict(num_layers=2, hidden_size=48, num_attention_heads=3, seq_length=32),
-        micro_batch_size=4, global_batch_size=8, eval_interval=3, eval_iters=2, save_interval=6, log_interval=3)
-    assert result is not None and result.summary["iterations"] == 6
-    again, cached = conversion.ensure_trained_checkpoint(run, train_iters=6)
-    assert again == ckpt_dir and cached is None
-    return run, ckpt_dir, result
+    paths = data_stage.build_data(run, max_files=60, vocab_size=VOCAB, split="90,10,0", progress=False)
+    cfg = TrainingConfig(
+        run_dir=str(run), model=tiny(vocab_size=paths.vocab_size), split=paths.split, micro_batch_size=4,
+        global_batch_size=8, train_iters=6, lr_warmup_iters=1, lr_decay_iters=6, eval_interval=3, eval_iters=2,
+        save_interval=6, log_interval=3)
+    result = launch.train(cfg, timeout_s=600, progress=False)
+    assert result.summary["iterations"] == 6
+    return run, cfg.checkpoint_path, result
 
 
 def test_training_run_converts_with_its_validation_loss(trained_run):
     run, ckpt_dir, result = trained_run
-    conv = conversion.ensure_hf_model(run)
+    conv = conversion.convert_to_hf_cached(ckpt_dir, run / "hf_model")
     assert not conv.skipped and conv.iteration == 6 and conv.output_dir == run / "hf_model"
-    assert conversion.ensure_hf_model(run).skipped
+    again = conversion.convert_to_hf_cached(ckpt_dir, run / "hf_model")
+    assert again.skipped and again.num_parameters == conv.num_parameters and again.vocab_size == conv.vocab_size
     megatron_model, _ = checkpointing.load_model(ckpt_dir)
-    hf = conversion.load_hf_model(conv.output_dir)
-    ids = conversion.validation_tokens(run, num_samples=2)
+    hf = AutoModelForCausalLM.from_pretrained(conv.output_dir, dtype=torch.float32).eval()
+    ids = proofs.validation_tokens(run, num_samples=2)
     assert ids.shape == (2, 32)
-    assert conversion.compare_logits(conversion.megatron_logits(megatron_model, ids), conversion.hf_logits(hf, ids)).max_abs_diff <= 1e-4
-    val = conversion.compare_validation_loss(run, hf, megatron_model, iteration=6)
+    assert proofs.compare_logits(proofs.megatron_logits(megatron_model, ids), proofs.hf_logits(hf, ids)).max_abs_diff <= 1e-4
+    val = proofs.compare_validation_loss(run, hf, megatron_model, iteration=6)
     assert val.training_loss == pytest.approx(result.summary["final_valid_loss"], abs=0)
     assert abs(val.megatron_loss - val.training_loss) <= 1e-5
     assert abs(val.hf_loss - val.megatron_loss_real_vocab) <= 1e-5
     assert val.padded_columns == 84 and val.training_loss - val.hf_loss > 1e-3  # padding columns' share, see above
     moved = run.parent / (run.name + "_moved")
     shutil.copytree(run, moved)
-    shutil.rmtree(run / "data" / "tokenizer")  # the path recorded in model_config.json no longer exists
-    redo = conversion.convert_to_hf(moved / "checkpoints", moved / "hf_again")
-    assert conversion.compare_hf_folders(conv.output_dir, redo.output_dir)["identical"]
+    away = run / "data" / "tokenizer_away"
+    (run / "data" / "tokenizer").rename(away)  # the path recorded in model_config.json no longer exists
+    try:
+        redo = conversion.convert_to_hf(moved / "checkpoints", moved / "hf_again")
+    finally:
+        away.rename(run / "data" / "tokenizer")
+    assert proofs.compare_hf_folders(conv.output_dir, redo.output_dir)["identical"]
+
+
+def test_continuation_starts_from_the_transformers_weights(trained_run, tmp_path):
+    """Notebook 06 sections 12-13: HF -> megatron-core checkpoint with a fresh optimizer -> back, bit for bit."""
+    run, ckpt_dir, _ = trained_run
+    hf_dir = conversion.convert_to_hf_cached(ckpt_dir, tmp_path / "hf").output_dir
+    cont = conversion_way_back.continuation_config(run, tmp_path / "continued", 2)
+    assert cont.train_iters == 2 and cont.lr == cont.min_lr and cont.lr_decay_style == "constant"
+    folder = conversion_way_back.hf_to_megatron_checkpoint(hf_dir, cont.checkpoint_path, training_config=cont)
+    assert folder == checkpointing.iteration_dir(cont.checkpoint_path, 0)
+    back = conversion.convert_to_hf(cont.checkpoint_path, tmp_path / "back", iteration=0)
+    assert proofs.compare_hf_folders(hf_dir, back.output_dir)["identical"]
+    with pytest.raises(conversion.ConversionError, match="does not describe the transformers model"):
+        conversion_way_back.hf_to_megatron_checkpoint(
+            hf_dir, tmp_path / "other", training_config=dataclasses.replace(cont, model=tiny(num_layers=3)))
+    with pytest.raises(ValueError, match="train_iters=0"):
+        conversion_way_back.continuation_config(run, tmp_path / "x", 0)

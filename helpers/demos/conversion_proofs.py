@@ -1,0 +1,426 @@
+"""Notebook 06's proofs that the conversion is exact, and its pictures.
+
+* section 2: :func:`legacy_converter_report` (why the guide's 2022 command does not apply);
+* section 3: :func:`qkv_layout_figure`, :func:`qkv_head_table` (the QKV permutation, drawn and checked);
+* section 5: :func:`tokenizer_files_identical`;
+* section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_scatter_figure`,
+  :func:`validation_tokens` (the same logits);
+* section 8: :func:`validation_loss`, :func:`compare_validation_loss` (the same validation loss);
+* section 9: :func:`greedy_generate_hf` (transformers' side of the same greedy tokens; megatron-core's
+  is ``helpers.model.greedy_generate``);
+* sections 10 and 12: :func:`compare_hf_folders` (bit-identical folders);
+* section 11: :func:`parameter_devices`, :func:`push_to_hub`.
+
+Sources: Megatron-LM ``megatron/training/training.py`` (``evaluate``: per micro-batch loss-masked
+mean, then the mean); transformers ``generation/utils.py`` (``generate``), ``modeling_utils.py``
+(``from_pretrained(device_map=...)``, ``push_to_hub``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from helpers import checkpointing, conversion
+
+#: The guide's 2022 command (transformers source tree, legacy Megatron-LM checkpoint layout).
+_GUIDE_2022_COMMAND = (
+    "python transformers/src/transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py "
+    "experiments/codeparrot-small/iter_0150000/mp_rank_00/model_optim_rng.pt"
+)
+_LEGACY_CONVERTER_MODULE = "transformers.models.megatron_gpt2.convert_megatron_gpt2_checkpoint"
+
+
+# =========================================================================== section 2: the guide's 2022 converter
+def legacy_converter_report(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """Why the guide's 2022 command does not apply to a megatron-core checkpoint, as facts.
+
+    Returns:
+        ``{"command", "converter_in_installed_transformers" (bool), "legacy_file"
+        (mp_rank_00/model_optim_rng.pt present?), "checkpoint_format", "checkpoint_files" (first
+        names), "checkpoint_keys" (first model keys), "legacy_keys_present" (any ``language_model`` key)}``.
+
+    Raises:
+        FileNotFoundError, helpers.conversion.ConversionError: see ``conversion.find_checkpoint``.
+    """
+    import importlib.util
+
+    from megatron.core import dist_checkpointing
+
+    from helpers.distributed import single_process
+
+    folder, _, fmt = conversion.find_checkpoint(checkpoint)
+    try:
+        converter = importlib.util.find_spec(_LEGACY_CONVERTER_MODULE) is not None
+    except ModuleNotFoundError:
+        converter = False
+    keys: list[str] = []
+    if fmt == "torch_dist":
+        with single_process():
+            keys = sorted(k for k in dist_checkpointing.load_tensors_metadata(str(folder))
+                          if not k.startswith(checkpointing.NON_MODEL_KEY_PREFIXES))
+    return {
+        "command": _GUIDE_2022_COMMAND,
+        "converter_in_installed_transformers": converter,
+        "legacy_file": (folder / "mp_rank_00" / "model_optim_rng.pt").is_file() if folder.is_dir() else False,
+        "checkpoint_format": fmt,
+        "checkpoint_files": sorted(p.name for p in folder.iterdir())[:8] if folder.is_dir() else [folder.name],
+        "checkpoint_keys": keys[:6],
+        "legacy_keys_present": any("language_model" in k for k in keys),
+    }
+
+
+# =========================================================================== section 3: the QKV permutation
+def qkv_head_table(weight: torch.Tensor, num_heads: int) -> list[dict[str, Any]]:
+    """Where each head's q, k and v rows of a ``linear_qkv`` weight ``[3h, h]`` land in GPT-2's ``c_attn``.
+
+    Returns:
+        One dict per (head, part): ``head``, ``part`` ("q"/"k"/"v"), ``megatron_rows`` and
+        ``gpt2_columns`` (``(first, last)`` inclusive), and ``equal``: the converted columns
+        (``conversion.tensor_to_hf``) hold exactly those rows, transposed.
+    """
+    c_attn = conversion.tensor_to_hf("decoder.layers.{}.self_attention.linear_qkv.weight", weight, num_heads)
+    h = weight.shape[1]
+    d = h // num_heads
+    table = []
+    for head in range(num_heads):
+        for part, name in enumerate("qkv"):
+            r0, c0 = head * 3 * d + part * d, part * h + head * d
+            table.append({"head": head, "part": name, "megatron_rows": (r0, r0 + d - 1), "gpt2_columns": (c0, c0 + d - 1),
+                          "equal": torch.equal(c_attn[:, c0:c0 + d], weight[r0:r0 + d].t())})
+    return table
+
+
+def qkv_layout_figure(num_heads: int = 3, head_dim: int = 2):
+    """A picture of the QKV permutation: which head and part (q/k/v) each row holds, before and after.
+
+    Returns:
+        A matplotlib ``Figure`` with two labelled strips (megatron-core ``linear_qkv`` rows and
+        GPT-2 ``c_attn`` columns), colours = q/k/v, text = head number, arrows for head 0.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = 3 * num_heads * head_dim
+    perm = conversion.qkv_row_permutation(num_heads, head_dim).tolist()
+    part_of = [(i // head_dim) % 3 for i in range(n)]
+    head_of = [i // (3 * head_dim) for i in range(n)]
+    colors = ["tab:blue", "tab:orange", "tab:green"]
+    fig, ax = plt.subplots(figsize=(max(8.0, n * 0.45), 3.2))
+    for y, order, label in ((1.6, list(range(n)), "megatron-core linear_qkv rows"), (0.0, perm, "GPT-2 c_attn columns")):
+        for pos, src in enumerate(order):
+            ax.add_patch(plt.Rectangle((pos, y), 0.95, 0.8, color=colors[part_of[src]], alpha=0.85))
+            ax.text(pos + 0.47, y + 0.4, f"h{head_of[src]}", ha="center", va="center", fontsize=8, color="white")
+        ax.text(-0.4, y + 0.4, label, ha="right", va="center", fontsize=9)
+    for pos, src in enumerate(perm):
+        if head_of[src] == 0:
+            ax.annotate("", xy=(pos + 0.47, 0.82), xytext=(src + 0.47, 1.58),
+                        arrowprops=dict(arrowstyle="->", color="0.3", lw=0.8))
+    ax.set_xlim(-0.2, n + 0.2)
+    ax.set_ylim(-0.3, 2.5)
+    ax.set_yticks([])
+    ax.set_xticks([i + 0.47 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
+    ax.set_xlabel("row index in linear_qkv.weight / column index in c_attn.weight (rows of width hidden size)")
+    ax.set_title(f"QKV layout: {num_heads} heads x head dim {head_dim} (arrows: head 0)")
+    ax.legend(handles=[Patch(color=c, label=p) for c, p in zip(colors, ("query", "key", "value"))],
+              loc="upper center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.28))
+    for spine in ("left", "right", "top"):
+        ax.spines[spine].set_visible(False)
+    return fig
+
+
+# =========================================================================== section 5: the folder
+def tokenizer_files_identical(hf_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike) -> dict[str, bool]:
+    """``{file: bytes equal}`` for each tokenizer file of the training folder vs the transformers folder."""
+    a, b = Path(hf_dir), Path(tokenizer_dir)
+    return {n: (a / n).is_file() and (a / n).read_bytes() == (b / n).read_bytes()
+            for n in conversion.TOKENIZER_FILES + conversion.OPTIONAL_TOKENIZER_FILES if (b / n).is_file()}
+
+
+# =========================================================================== section 7: the same logits
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of a megatron-core ``GPTModel`` (TP=1) for ``tokens`` ``[b, s]`` int64.
+
+    Returns:
+        fp32 ``[b, s, padded_vocab]`` on the CPU (causal; positions 0..s-1; the model may be on a GPU).
+    """
+    device = next(model.parameters()).device
+    tokens = tokens.long().to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, position_ids, None).float().cpu()
+
+
+@torch.no_grad()
+def hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of a transformers causal LM for ``tokens`` ``[b, s]`` int64: fp32 ``[b, s, vocab]`` on the CPU."""
+    device = next(hf_model.parameters()).device
+    return hf_model(input_ids=tokens.long().to(device)).logits.float().cpu()
+
+
+@dataclass
+class LogitComparison:
+    """:func:`compare_logits`: ``max_abs_diff`` over the real vocabulary, argmax agreement (fraction
+    of positions), shapes compared, and ``max_abs_logit`` for scale."""
+
+    max_abs_diff: float
+    argmax_agreement: float
+    shape: tuple[int, ...]
+    max_abs_logit: float
+
+
+def compare_logits(reference: torch.Tensor, converted: torch.Tensor) -> LogitComparison:
+    """Compare megatron-core logits ``[b, s, V_pad]`` with transformers logits ``[b, s, V]``.
+
+    Only the first ``V`` (real) columns are compared: padding rows are no token.
+
+    Raises:
+        ValueError: batch/sequence shapes differ, or ``V_pad < V``.
+    """
+    if reference.shape[:-1] != converted.shape[:-1] or reference.shape[-1] < converted.shape[-1]:
+        raise ValueError(f"logit shapes {tuple(reference.shape)} vs {tuple(converted.shape)} cannot be compared")
+    ref = reference[..., :converted.shape[-1]].float()
+    diff = (ref - converted.float()).abs().max().item()
+    agree = (ref.argmax(-1) == converted.argmax(-1)).float().mean().item()
+    return LogitComparison(diff, agree, tuple(converted.shape), ref.abs().max().item())
+
+
+def logit_scatter_figure(reference: torch.Tensor, converted: torch.Tensor, max_points: int = 20000):
+    """Scatter of megatron-core vs transformers logits (same token ids), plus the histogram of differences.
+
+    Args:
+        reference: megatron-core logits ``[b, s, V_pad]``; converted: transformers ``[b, s, V]``.
+
+    Returns:
+        A matplotlib ``Figure`` (two panels, titled and labelled).
+    """
+    import matplotlib.pyplot as plt
+
+    ref = reference[..., :converted.shape[-1]].reshape(-1).float()
+    conv = converted.reshape(-1).float()
+    idx = torch.randperm(ref.numel(), generator=torch.Generator().manual_seed(0))[:max_points]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.scatter(ref[idx], conv[idx], s=2, alpha=0.4, label=f"{len(idx):,} logits")
+    lo, hi = float(ref.min()), float(ref.max())
+    ax1.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="y = x")
+    ax1.set(title="Logits: transformers vs megatron-core", xlabel="megatron-core logit (nats)",
+            ylabel="transformers logit (nats)")
+    ax1.legend()
+    raw = (conv - ref).abs()
+    exact = int((raw == 0).sum())
+    ax2.hist(torch.log10(raw.clamp(min=1e-10)).numpy(), bins=60,
+             label=f"max {raw.max().item():.2e}; {exact:,} exactly equal (drawn at -10)")
+    ax2.axvline(-4, color="red", ls="--", label="tolerance 1e-4")
+    ax2.set(title="|difference| per logit", xlabel="log10 |transformers - megatron-core| (nats)", ylabel="logits")
+    ax2.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _run_config(run_dir: str | os.PathLike, config_name: str):
+    from helpers.training_config import TrainingConfig
+
+    path = Path(run_dir).expanduser().resolve() / config_name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: it is written by helpers.launch.train (notebook 03)")
+    return TrainingConfig.from_json(path)
+
+
+def validation_tokens(run_dir: str | os.PathLike, num_samples: int = 2, *, config_name: str = "run.json") -> torch.Tensor:
+    """Token ids of the first ``num_samples`` validation samples of a training run (held-out code).
+
+    Returns:
+        int64 ``[num_samples, seq_length]``.
+
+    Raises:
+        FileNotFoundError: no ``run.json`` (train first: notebook 03).
+    """
+    from helpers import training
+
+    _, valid_ds, _ = training.build_datasets(_run_config(run_dir, config_name))
+    return torch.stack([torch.as_tensor(valid_ds[i % len(valid_ds)]["tokens"]).long() for i in range(num_samples)])
+
+
+# =========================================================================== section 8: the same validation loss
+def validation_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], dataset, *, num_samples: int,
+                    micro_batch_size: int, vocab_size: int | None = None, progress: bool = False) -> float:
+    """LM loss (nats/token) over samples ``0..num_samples-1`` of a ``GPTDataset``, as training evaluates it.
+
+    Mirrors ``helpers.training.evaluate`` (Megatron-LM ``evaluate``): micro-batches of
+    ``micro_batch_size`` consecutive samples, per micro-batch the loss-masked mean of the
+    token cross-entropy, then the mean over micro-batches.
+
+    Args:
+        logits_fn: ``tokens [b, s]`` -> logits ``[b, s, V']`` (megatron-core or transformers).
+        dataset: a megatron-core ``GPTDataset`` (``tokens``, ``labels``, ``loss_mask``).
+        num_samples: samples to evaluate (``eval_iters x global_batch_size``); must be a
+            multiple of ``micro_batch_size``.
+        vocab_size: use only the first ``vocab_size`` logit columns (drops padding columns);
+            None keeps all, as megatron-core's own loss does.
+
+    Returns:
+        The mean loss (float).
+
+    Raises:
+        ValueError: ``num_samples`` not a positive multiple of ``micro_batch_size``.
+    """
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+
+    if num_samples < 1 or num_samples % micro_batch_size:
+        raise ValueError(f"num_samples={num_samples} must be a positive multiple of micro_batch_size={micro_batch_size}")
+    losses = []
+    for start in tqdm(range(0, num_samples, micro_batch_size), desc="validation", disable=not progress):
+        samples = [dataset[i % len(dataset)] for i in range(start, start + micro_batch_size)]
+        tokens, labels, mask = (torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask"))
+        with torch.no_grad():
+            logits = logits_fn(tokens.long()).float()
+        if vocab_size is not None:
+            logits = logits[..., :vocab_size]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.long().reshape(-1), reduction="none")
+        mask = mask.float()
+        losses.append(((ce.view_as(mask) * mask).sum() / mask.sum().clamp(min=1)).item())
+    return sum(losses) / len(losses)
+
+
+@dataclass
+class ValidationComparison:
+    """:func:`compare_validation_loss`: losses in nats/token on the training run's validation batches.
+
+    Attributes:
+        training_loss: what training logged (``metrics.jsonl``) at ``iteration``; None if not logged.
+        hf_loss: the transformers model's loss.
+        megatron_loss: megatron-core's loss with all padded columns (what training computes);
+            None when no megatron-core model was given.
+        megatron_loss_real_vocab: megatron-core's loss over the tokenizer's columns only.
+        num_samples, seq_length, iteration: what was evaluated.
+        padded_columns: logit columns the transformers model does not have.
+    """
+
+    training_loss: float | None
+    hf_loss: float
+    megatron_loss: float | None
+    megatron_loss_real_vocab: float | None
+    num_samples: int
+    seq_length: int
+    iteration: int | None
+    padded_columns: int
+
+
+def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model=None, *,
+                            iteration: int | None = None, config_name: str = "run.json",
+                            progress: bool = False) -> ValidationComparison:
+    """Validation loss of the transformers model on exactly the batches training evaluated.
+
+    Rebuilds the validation ``GPTDataset`` from the run's ``run.json``
+    (``helpers.training.build_datasets``: same split, seed, sequence length and index cache)
+    and evaluates the first ``eval_iters x global_batch_size`` samples in micro-batches of
+    ``micro_batch_size``, as ``helpers.training.evaluate`` does (:func:`validation_loss`).
+
+    The transformers model has no padding columns, so its softmax runs over the real
+    vocabulary; megatron-core's runs over the padded one. With padding, training's loss is
+    higher by the mean of ``-log(1 - p_pad)`` (``p_pad``: probability the model puts on
+    padding ids); ``megatron_loss_real_vocab`` equals the transformers loss exactly.
+
+    Args:
+        run_dir: the run folder (``run.json``, ``metrics.jsonl``, data).
+        hf_model: the converted transformers model (eval mode).
+        megatron_model: optional megatron-core ``GPTModel`` of the same checkpoint.
+        iteration: the checkpoint's iteration (its logged validation loss is returned);
+            default the last logged one.
+
+    Raises:
+        FileNotFoundError: no ``run.json`` in ``run_dir`` (train with helpers.launch.train first).
+        ValueError: the run's split has no validation part.
+    """
+    from helpers import training
+    from helpers.metrics import read_metrics
+
+    cfg = _run_config(run_dir, config_name)
+    _, valid_ds, _ = training.build_datasets(cfg)
+    if valid_ds is None:
+        raise ValueError(f"the run's split {cfg.split!r} has no validation part: nothing to compare")
+    kw = dict(num_samples=cfg.eval_iters * cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size)
+    vocab = hf_model.config.vocab_size
+    hf_loss = validation_loss(lambda t: hf_logits(hf_model, t), valid_ds, progress=progress, **kw)
+    mc_loss = mc_real = None
+    padded = 0
+    if megatron_model is not None:
+        mc_loss = validation_loss(lambda t: megatron_logits(megatron_model, t), valid_ds, progress=progress, **kw)
+        mc_real = validation_loss(lambda t: megatron_logits(megatron_model, t), valid_ds, vocab_size=vocab, **kw)
+        padded = megatron_model.embedding.word_embeddings.weight.shape[0] - vocab
+    valid = read_metrics(cfg.metrics_file).get("valid", [])
+    if iteration is not None:
+        valid = [r for r in valid if r["iteration"] == iteration]
+    logged = valid[-1] if valid else None
+    return ValidationComparison(logged["lm_loss"] if logged else None, hf_loss, mc_loss, mc_real, kw["num_samples"],
+                                cfg.model.seq_length, logged["iteration"] if logged else iteration, padded)
+
+
+# =========================================================================== section 9: the same greedy tokens
+@torch.no_grad()
+def greedy_generate_hf(hf_model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with transformers ``generate(do_sample=False)`` (stops at the EOS of the
+    generation config, or at the position table's end).
+
+    Returns:
+        The new token ids (without the prompt).
+    """
+    inp = torch.tensor([list(prompt_ids)], device=next(hf_model.parameters()).device)
+    max_new = max(0, min(max_new_tokens, hf_model.config.n_positions - inp.shape[1]))
+    out = hf_model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False, num_beams=1)
+    return out[0, inp.shape[1]:].tolist()
+
+
+# =========================================================================== sections 10 and 12: identical folders
+def compare_hf_folders(first: str | os.PathLike, second: str | os.PathLike) -> dict[str, Any]:
+    """Tensor by tensor comparison of two transformers folders' ``model.safetensors``.
+
+    Returns:
+        ``{"num_tensors", "identical" (all bit-equal), "max_abs_diff", "same_keys", "same_config"}``.
+    """
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(Path(first) / "model.safetensors")), load_file(str(Path(second) / "model.safetensors"))
+    common = sorted(set(a) & set(b))
+    diff = max(((a[k].float() - b[k].float()).abs().max().item() if a[k].shape == b[k].shape else math.inf)
+               for k in common) if common else math.inf
+    cfg_a, cfg_b = (json.loads((Path(x) / "config.json").read_text()) for x in (first, second))
+    return {"num_tensors": len(common), "identical": set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in common),
+            "max_abs_diff": diff, "same_keys": set(a) == set(b), "same_config": cfg_a == cfg_b}
+
+
+# =========================================================================== section 11: the guide's ending
+def parameter_devices(model) -> dict[str, int]:
+    """``{device: number of parameters}`` of a model, e.g. after ``from_pretrained(..., device_map="auto")``.
+
+    (transformers 5 sets ``model.hf_device_map`` only when the weights span several devices.)
+    """
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        out[str(p.device)] = out.get(str(p.device), 0) + p.numel()
+    return out
+
+
+def push_to_hub(hf_dir: str | os.PathLike, repo_id: str, *, private: bool = True) -> str:
+    """Upload a converted folder to the Hugging Face Hub (model, tokenizer, generation config).
+
+    Needs network access and a token (``huggingface-cli login`` or ``HF_TOKEN``).
+
+    Returns:
+        The URL of the commit.
+
+    Raises:
+        huggingface_hub.errors.HfHubHTTPError (or an OSError): no network, no token, no access.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
+    AutoTokenizer.from_pretrained(str(hf_dir)).push_to_hub(repo_id, private=private)
+    return str(model.push_to_hub(repo_id, private=private))

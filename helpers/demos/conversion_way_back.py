@@ -1,0 +1,190 @@
+"""Notebook 06 sections 12-13: the way back, transformers GPT-2 -> megatron-core checkpoint, and training on.
+
+:func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` folder as a torch_dist checkpoint
+in this series' layout (``helpers.conversion.hf_to_megatron_state_dict``, the weight map
+inverted, then ``helpers.checkpointing.model_from_checkpoint`` and ``save_checkpoint``), with a
+fresh AdamW and scheduler when given a training config; :func:`continuation_config` is the
+``TrainingConfig`` that continues pre-training from it. Command line::
+
+    python -m helpers.demos.conversion_way_back HF_DIR CHECKPOINT_DIR [--iteration N] [--overwrite]
+
+Sources: Megatron-LM ``tools/checkpoint/saver_mcore.py`` (vocabulary padding repeats the last
+row), ``megatron/training/checkpointing.py`` (the layout); transformers ``models/gpt2/configuration_gpt2.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from helpers import checkpointing, conversion
+from helpers.environment import package_version
+from helpers.model import ModelConfig
+
+#: transformers activation names back to the GELU they compute.
+_HF_GELU = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+#: ModelConfig metadata that must agree between a transformers model and a training config.
+_MATCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+               "vocab_size", "padded_vocab_size", "gelu", "layernorm_epsilon", "tied_embeddings")
+
+
+def _model_config_from_gpt2(config, *, make_vocab_size_divisible_by: int = 128, seq_length: int | None = None) -> ModelConfig:
+    """The :class:`~helpers.model.ModelConfig` of a transformers ``GPT2Config``.
+
+    Raises:
+        helpers.conversion.ConversionError: settings megatron-core's GPT-2 path does not compute
+            the same way (``scale_attn_by_inverse_layer_idx``, ``reorder_and_upcast_attn``,
+            cross-attention, unscaled attention, a non-GELU activation).
+    """
+    problems = []
+    if config.activation_function not in _HF_GELU:
+        problems.append(f"activation_function={config.activation_function!r} (expected one of {sorted(_HF_GELU)})")
+    for name, bad in (("scale_attn_by_inverse_layer_idx", True), ("reorder_and_upcast_attn", True),
+                      ("add_cross_attention", True), ("scale_attn_weights", False)):
+        if getattr(config, name, not bad) == bad:
+            problems.append(f"{name}={bad}")
+    if problems:
+        raise conversion.ConversionError(f"GPT2Config settings megatron-core's GPTModel does not compute: {problems}")
+    return ModelConfig(
+        num_layers=config.n_layer, hidden_size=config.n_embd, num_attention_heads=config.n_head,
+        seq_length=seq_length or config.n_positions, max_position_embeddings=config.n_positions,
+        vocab_size=config.vocab_size, ffn_hidden_size=None if config.n_inner in (None, 4 * config.n_embd) else config.n_inner,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by, hidden_dropout=config.resid_pdrop,
+        attention_dropout=config.attn_pdrop, init_method_std=config.initializer_range,
+        layernorm_epsilon=config.layer_norm_epsilon, bias_activation_fusion=_HF_GELU[config.activation_function] == "tanh",
+        share_embeddings_and_output_weights=bool(getattr(config, "tie_word_embeddings", True)),
+    )
+
+
+def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
+                              training_config=None, iteration: int = 0, overwrite: bool = False,
+                              make_vocab_size_divisible_by: int = 128) -> Path:
+    """Write a transformers GPT-2 folder as a megatron-core torch_dist checkpoint (TP=1).
+
+    The checkpoint has this series' layout (``iter_NNNNNNN/``, ``model_config.json``,
+    ``latest_checkpointed_iteration.txt``). With ``training_config`` (a
+    ``helpers.training_config.TrainingConfig`` whose model matches) it also holds a fresh AdamW
+    state and LR scheduler built exactly as training builds them (``helpers.optimizer``), so
+    ``helpers.launch.train(training_config)`` with ``checkpoint_dir`` pointing here
+    continues pre-training from the transformers weights at iteration ``iteration``.
+    Without it the checkpoint holds the model only (for conversion and evaluation).
+
+    Must run in a process whose main module is import-guarded (a notebook, pytest, or
+    ``python -m``): megatron-core's torch_dist writer spawns a helper process.
+
+    Args:
+        hf_dir: folder with ``config.json`` + weights of a ``GPT2LMHeadModel``, and
+            optionally its tokenizer (recorded as ``tokenizer_dir`` when present).
+        checkpoint_dir: the checkpoints folder to create.
+        training_config: optional ``TrainingConfig``; its ``model`` must equal the converted one.
+        iteration: iteration number of the checkpoint.
+        overwrite: replace an existing checkpoint in ``checkpoint_dir``.
+        make_vocab_size_divisible_by: Megatron's vocabulary padding multiple.
+
+    Returns:
+        The ``iter_NNNNNNN`` folder.
+
+    Raises:
+        FileExistsError: ``checkpoint_dir`` already holds a checkpoint and ``overwrite`` is False.
+        helpers.conversion.ConversionError: not a GPT-2, unknown/missing keys, or a training
+            config whose model differs.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt_dir = Path(checkpoint_dir).expanduser().resolve()
+    if (ckpt_dir / checkpointing.TRACKER_FILE).exists() and not overwrite:
+        raise FileExistsError(f"{ckpt_dir} already holds a checkpoint: pass overwrite=True or another checkpoint_dir")
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    if config.model_type != "gpt2":
+        raise conversion.ConversionError(f"{hf_dir} holds a {config.model_type!r} model; only GPT-2 (GPT2LMHeadModel) is supported")
+    seq = training_config.model.seq_length if training_config is not None else None
+    cfg = _model_config_from_gpt2(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by, seq_length=seq)
+    if training_config is not None:
+        want, have = training_config.model.to_metadata(1), cfg.to_metadata(1)
+        diffs = [f"{k}: training {want[k]!r} vs transformers {have[k]!r}" for k in _MATCH_KEYS if want[k] != have[k]]
+        if diffs:
+            raise conversion.ConversionError(f"training_config.model does not describe the transformers model in {hf_dir}: {diffs}")
+        cfg = training_config.model
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    sd = conversion.hf_to_megatron_state_dict(hf.state_dict(), cfg.num_attention_heads, cfg.padded_vocab_size(1),
+                                              tied=cfg.share_embeddings_and_output_weights)
+    meta = {**cfg.to_metadata(1), "iteration": iteration, "consumed_train_samples": 0,
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
+            "precision": "fp32", "layer_spec": "local", "checkpoint_format": "torch_dist",
+            "megatron_core_version": package_version("megatron-core"), "converted_from": str(Path(hf_dir).resolve())}
+    model = checkpointing.model_from_checkpoint(meta, sd)
+    if (Path(hf_dir) / "vocab.json").is_file():
+        meta["tokenizer_dir"] = str(Path(hf_dir).resolve())
+    if training_config is not None:
+        from helpers import optimizer as optimizer_lib
+
+        optimizer = optimizer_lib.build_optimizer(model, training_config)
+        checkpointing.init_optimizer_state(optimizer)
+        scheduler = optimizer_lib.build_scheduler(optimizer, training_config)
+        state = checkpointing.sharded_state_dict(model, optimizer, scheduler, iteration=iteration,
+                                                 consumed_train_samples=0, layout=(1, 1, 1))
+        meta["tokenizer_dir"] = str(training_config.tokenizer_path)
+    else:
+        state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
+    if overwrite and ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    return checkpointing.save_checkpoint(ckpt_dir, iteration, state, meta)
+
+
+def continuation_config(run_dir: str | os.PathLike, out_dir: str | os.PathLike, train_iters: int, *,
+                        config_name: str = "run.json"):
+    """A ``TrainingConfig`` that continues the run of ``run_dir`` for ``train_iters`` iterations in ``out_dir``.
+
+    Same model, data, batch sizes and validation batches as the original run; a constant
+    learning rate equal to its ``min_lr`` (where its cosine ended); outputs (checkpoints,
+    metrics, TensorBoard) in ``out_dir``. Used with :func:`hf_to_megatron_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no ``run.json`` in ``run_dir``.
+        ValueError: ``train_iters`` < 1.
+    """
+    from dataclasses import replace
+
+    from helpers.training_config import TrainingConfig
+
+    if train_iters < 1:
+        raise ValueError(f"train_iters={train_iters} must be >= 1")
+    cfg_path = Path(run_dir).expanduser().resolve() / config_name
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.launch.train (notebook 03)")
+    cfg = TrainingConfig.from_json(cfg_path)
+    lr = cfg.min_lr if cfg.min_lr > 0 else cfg.lr * 0.1
+    return replace(cfg, run_dir=str(Path(out_dir).expanduser().resolve()), data_prefix=str(cfg.data_prefix_path),
+                   tokenizer_dir=str(cfg.tokenizer_path), train_iters=train_iters, lr=lr, min_lr=lr, lr_warmup_iters=0,
+                   lr_decay_iters=train_iters, lr_decay_style="constant", eval_interval=train_iters,
+                   save_interval=train_iters, log_interval=max(1, min(cfg.log_interval, train_iters)), exit_interval=None,
+                   checkpoint_dir=None, tensorboard_dir=None, metrics_path=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers.demos.conversion_way_back HF_DIR CHECKPOINT_DIR`` (model only).
+
+    Returns:
+        0 on success, 2 on a conversion error (printed to stderr).
+    """
+    parser = argparse.ArgumentParser(prog="python -m helpers.demos.conversion_way_back",
+                                     description="transformers GPT-2 folder -> megatron-core checkpoint (model only)")
+    parser.add_argument("hf_dir")
+    parser.add_argument("checkpoint_dir")
+    parser.add_argument("--iteration", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        print(f"wrote {hf_to_megatron_checkpoint(args.hf_dir, args.checkpoint_dir, iteration=args.iteration, overwrite=args.overwrite)}")
+    except (conversion.ConversionError, FileExistsError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
