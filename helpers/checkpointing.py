@@ -155,7 +155,7 @@ def init_optimizer_state(optimizer) -> None:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
 
 
-def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
+def _optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
     """The torch optimizer's state dict with each moment tensor sharded like its parameter.
 
     Follows megatron-core ``FP32Optimizer.sharded_state_dict`` (optimizer/optimizer.py):
@@ -181,7 +181,7 @@ def optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> d
 
 
 def load_optimizer_state(optimizer, state_dict: dict) -> None:
-    """Inverse of :func:`optimizer_sharded_state_dict` after ``dist_checkpointing.load``."""
+    """Inverse of :func:`_optimizer_sharded_state_dict` after ``dist_checkpointing.load``."""
     import copy
 
     step = state_dict["state"].pop("common_step", None)
@@ -217,7 +217,7 @@ def sharded_state_dict(model, optimizer, scheduler, *, iteration: int, consumed_
     )
     return {
         "model": model_sd,
-        "optimizer": optimizer_sharded_state_dict(optimizer, model_sd),
+        "optimizer": _optimizer_sharded_state_dict(optimizer, model_sd),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": rng,
         "iteration": iteration,

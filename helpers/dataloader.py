@@ -166,7 +166,7 @@ def megatron_num_samples(train_iters: int, global_batch_size: int, eval_interval
             eval_iters * global_batch_size)
 
 
-def gpt_dataset_config(
+def _gpt_dataset_config(
     tokenizer_dir: str | os.PathLike,
     *,
     seq_length: int,
@@ -264,7 +264,7 @@ def build_gpt_datasets(
     sizes = _check_num_samples(num_samples)
     prefix = str(Path(data_prefix).expanduser().resolve())
     check_split(_sequence_lengths(prefix), split)
-    config = gpt_dataset_config(
+    config = _gpt_dataset_config(
         tokenizer_dir, seq_length=seq_length, blend=([prefix], None), split=split, seed=seed,
         cache_dir=cache_dir if cache_dir is not None else _default_cache(prefix),
         eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
@@ -312,7 +312,7 @@ def build_blended_gpt_datasets(
     prefixes = [str(Path(p).expanduser().resolve()) for p in data_prefixes]
     for p in prefixes:
         check_split(_sequence_lengths(p), split)
-    config = gpt_dataset_config(
+    config = _gpt_dataset_config(
         tokenizer_dir, seq_length=seq_length, blend=(prefixes, [float(w) for w in weights]), split=split,
         seed=seed, cache_dir=cache_dir if cache_dir is not None else _default_cache(prefixes[0]),
     )

@@ -101,7 +101,7 @@ def mkstemp_readable(folder: str | os.PathLike, prefix: str, suffix: str = "") -
     return fd, tmp
 
 
-def figure_path(run_dir: str | os.PathLike, name: str) -> Path:
+def _figure_path(run_dir: str | os.PathLike, name: str) -> Path:
     """Where figure ``name`` (without extension) of this run is saved: ``<run>/figures/<name>.png``."""
     folder = run_path(run_dir) / "figures"
     folder.mkdir(exist_ok=True)
@@ -110,7 +110,7 @@ def figure_path(run_dir: str | os.PathLike, name: str) -> Path:
 
 def save_figure(fig, run_dir: str | os.PathLike, name: str) -> Path:
     """Save a matplotlib figure as ``<run>/figures/<name>.png`` (150 dpi) and return the path."""
-    path = figure_path(run_dir, name)
+    path = _figure_path(run_dir, name)
     fig.savefig(path, dpi=150, bbox_inches="tight")
     return path
 

@@ -271,7 +271,7 @@ def setup(cfg: TrainingConfig) -> Trainer:
                    num_micro_batches=n_micro, grad_scaler=scaler)
 
 
-def checkpoint_metadata(trainer: Trainer) -> dict[str, Any]:
+def _checkpoint_metadata(trainer: Trainer) -> dict[str, Any]:
     """``model_config.json`` written with each checkpoint (what a converter needs)."""
     cfg, info = trainer.cfg, trainer.dist_info
     return {
@@ -300,7 +300,7 @@ def _state(trainer: Trainer) -> dict:
 def save(trainer: Trainer) -> Path:
     """Save a checkpoint of the current iteration (all ranks call it); returns its folder."""
     return checkpointing.save_checkpoint(trainer.cfg.checkpoint_path, trainer.iteration, _state(trainer),
-                                         checkpoint_metadata(trainer))
+                                         _checkpoint_metadata(trainer))
 
 
 def load(trainer: Trainer) -> int:
@@ -318,7 +318,7 @@ def load(trainer: Trainer) -> int:
     if iteration is None:
         return 0
     saved = checkpointing.read_model_config(ckpt_dir, iteration)
-    checkpointing.check_compatible(saved, checkpoint_metadata(trainer), ckpt_dir)
+    checkpointing.check_compatible(saved, _checkpoint_metadata(trainer), ckpt_dir)
     template = _state(trainer)
     info = trainer.dist_info
     same_layout = [saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"),
