@@ -129,3 +129,17 @@ def test_every_stage_named_is_a_notebook():
     stems = {p.stem for p in series.notebooks()}
     assert set(series.PRODUCES) <= stems
     assert set(series.NEEDS) <= stems and all(set(v) <= stems for v in series.NEEDS.values())
+
+
+def test_run_only_a_later_notebook_runs_its_missing_stages_first_and_require_then_finds_them(tiny_series, tmp_path,
+                                                                                              monkeypatch):
+    """--only 01 in a fresh folder runs 00 first (01 reads 00's file), with the same profile; a
+    second call finds the file and runs only what was asked."""
+    monkeypatch.setitem(series.PRODUCES, "00_first", ("summary.json",))
+    monkeypatch.setitem(series.NEEDS, "01_second", ("00_first",))
+    run = tmp_path / "run"
+    done = series.run("tiny", run_dir=run, only=["01"])
+    assert [r.stem for r in done] == ["00_first", "01_second"]
+    assert results.load_summary(run)["00_first"]["steps_squared"] == 16
+    assert [r.stem for r in series.run("tiny", run_dir=run, only=["01"])] == ["01_second"]
+    assert series.require("01_second", run, "tiny", build=False) == run.resolve()
