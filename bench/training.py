@@ -104,24 +104,24 @@ def timed_iterations(step_end_times: list[float], start_time: float, warmup: int
 
 # --------------------------------------------------------------------------- configuration
 def training_config(opts: dict[str, Any]):
-    """The :class:`helpers.training.TrainingConfig` both sides use, from the benchmark options.
+    """The :class:`helpers.training_config.TrainingConfig` both sides use, from the benchmark options.
 
     The parent process builds it once and passes it to both sides as a dict
     (``opts["config"]``), so every run of the benchmark trains with the same settings even if
-    the profiles in ``helpers.training`` change while it runs. Batch sizes left ``None`` in
+    the profiles in ``helpers.training_config`` change while it runs. Batch sizes left ``None`` in
     ``opts`` are the profile's own.
     """
-    from helpers import training
+    from helpers.training_config import TrainingConfig, profile
 
     if "config" in opts:
-        return training.TrainingConfig.from_dict(opts["config"])
+        return TrainingConfig.from_dict(opts["config"])
     batch = {k: opts[k] for k in ("micro_batch_size", "global_batch_size") if opts.get(k)}
     model_overrides: dict[str, Any] = {"vocab_size": opts["vocab_size"]}
     if opts.get("seq_length"):
         model_overrides.update(seq_length=opts["seq_length"], max_position_embeddings=max(opts["seq_length"], 256))
     if opts["profile"] == "codeparrot-small":
         model_overrides.update(max_position_embeddings=max(1024, opts.get("seq_length") or 1024))
-    return training.profile(
+    return profile(
         opts["profile"], opts["run_dir"], model=model_overrides, **batch, train_iters=opts["iters"], lr_warmup_iters=1,
         lr_decay_iters=max(opts["iters"], 2), save_interval=None, eval_interval=opts["iters"], eval_iters=1,
         precision="auto", split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
@@ -140,7 +140,7 @@ def _set_threads(threads: int) -> None:
 def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> dict[str, Any]:
     import torch
 
-    from helpers import training
+    from helpers import distributed, training
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
@@ -162,7 +162,7 @@ def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> d
         ends.append(time.perf_counter())
         losses.append(out["lm_loss"])
     gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    training.destroy_distributed()
+    distributed.destroy_distributed()
     return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]),
             "losses": losses, "parameters": n_params, "precision": trainer.precision,
             "optimizer": trainer.optimizer_name, "gpu_peak_allocated_bytes": gpu_peak,

@@ -438,7 +438,7 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_model needs megatron-core model parallelism initialised: call "
-            "helpers.training.initialize_distributed(...) (or parallel_state.initialize_model_parallel) first"
+            "helpers.distributed.initialize_distributed(...) (or parallel_state.initialize_model_parallel) first"
         )
     tp = tensor_model_parallel_size or parallel_state.get_tensor_model_parallel_world_size()
     pp = pipeline_model_parallel_size or parallel_state.get_pipeline_model_parallel_world_size()
