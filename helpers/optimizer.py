@@ -1,7 +1,7 @@
 """AdamW with Megatron's weight-decay groups, its learning-rate schedule, and gradient clipping.
 
-Notebook 03 (section 5.7) writes these calls out in cells; the training script
-(:mod:`helpers.pretrain_gpt`) and notebook 04's AdamW benchmark call them. This is the series'
+Notebook 03 (sections 5.8-5.9) writes these calls out in cells; the training script
+(:mod:`helpers.training`) and notebook 04's AdamW benchmark call them. This is the series'
 one choice of AdamW implementation.
 
 Sources: megatron-core ``optimizer/__init__.py`` (``_get_param_groups``: no weight decay on

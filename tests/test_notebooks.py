@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 
 import nbformat
@@ -31,6 +32,9 @@ def test_outputs_are_stripped(path):
     dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
     assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; strip them before committing"
     assert "widgets" not in nb.metadata and "colab" not in nb.metadata
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    missing = [i for i, c in enumerate(raw["cells"]) if "id" not in c]
+    assert not missing, f"{path.name}: cells {missing} have no id (nbformat 4.5 warns on every read)"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)

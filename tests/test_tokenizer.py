@@ -1,4 +1,4 @@
-"""helpers.tokenizer + dataloader.load_tokenizer: training, files, round trip, bad input."""
+"""helpers.tokenizer (train_tokenizer, load_tokenizer): training, files, round trip, bad input."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import corpus, dataloader, tokenizer
+from helpers import corpus, tokenizer
 
 TRICKY = [
     "def f(x):\n\treturn x  # tab, two spaces\r\n",
@@ -41,7 +41,7 @@ def test_folder_has_the_guide_files_and_the_transformers_files(trained):
 
 def test_autotokenizer_loads_with_checked_size(trained):
     out, _ = trained
-    tok = dataloader.load_tokenizer(out)
+    tok = tokenizer.load_tokenizer(out)
     assert len(tok) == 512 and tok.eos_token == tokenizer.EOD_TOKEN and tok.eos_token_id == 0
 
 
@@ -85,6 +85,6 @@ def test_missing_parent_and_missing_files(tmp_path):
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "vocab.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="lacks"):
-        dataloader.load_tokenizer(tmp_path / "half")
+        tokenizer.load_tokenizer(tmp_path / "half")
     with pytest.raises(ValueError, match="texts is empty"):
         tokenizer.train_tokenizer([], tmp_path / "t2", vocab_size=300)
