@@ -286,10 +286,26 @@ def collect_corpus(
 
 
 # --------------------------------------------------------------------------- writing
+#: Characters ``str.splitlines()`` breaks a line at that ``json.dumps(ensure_ascii=False)`` leaves
+#: raw (it escapes only those below U+0020): NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR.
+_LINE_BREAKS_JSON_KEEPS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _json_line(record: dict) -> str:
+    """``record`` as one JSON line that every line splitter agrees on (see :data:`_LINE_BREAKS_JSON_KEEPS`)."""
+    line = json.dumps(record, ensure_ascii=False)
+    for char, escape in _LINE_BREAKS_JSON_KEEPS.items():
+        line = line.replace(char, escape)
+    return line
+
+
 def write_jsonl(documents: Iterable[Document], path: str | os.PathLike, *, overwrite: bool = False) -> int:
     """Write documents as loose JSON: one ``{"content": ..., "path": ...}`` object per line.
 
-    The file is written to a temporary name in the same folder and renamed at the end, so
+    Non-ASCII text is written as UTF-8, except U+0085, U+2028 and U+2029, which are written as
+    JSON escapes: raw, they are line breaks to ``str.splitlines()`` (and to editors), so a
+    reader that splits the file that way would see one document as two. The escapes decode
+    to the same text. The file is written to a temporary name in the same folder and renamed at the end, so
     an existing file is never left half-written.
 
     Returns:
@@ -309,7 +325,7 @@ def write_jsonl(documents: Iterable[Document], path: str | os.PathLike, *, overw
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for doc in documents:
-                f.write(json.dumps({CONTENT_KEY: doc.content, "path": doc.path}, ensure_ascii=False) + "\n")
+                f.write(_json_line({CONTENT_KEY: doc.content, "path": doc.path}) + "\n")
                 count += 1
         os.replace(tmp, path)
     except BaseException:

@@ -109,7 +109,7 @@ class MegatronTokenizerAdapter(_TokenizerBase):  # type: ignore[misc,valid-type]
 
 
 # --------------------------------------------------------------------------- splits and the guard
-def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int] | None]:
+def check_split(sequence_lengths: np.ndarray | int, split: str) -> list[tuple[int, int] | None]:
     """Raise before megatron-core hangs on a split range without tokens; return the ranges.
 
     megatron-core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) loops
@@ -118,7 +118,9 @@ def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int
     the test range is empty). Even 0 requested samples ask for 1 token (the extra label token).
 
     Args:
-        sequence_lengths: ``[num_documents]`` tokens per document (``IndexedDataset.sequence_lengths``).
+        sequence_lengths: ``[num_documents]`` tokens per document (``IndexedDataset.sequence_lengths``),
+            or a number of documents, each taken to hold at least one token (notebook 01 checks
+            its loose JSON before tokenizing; the corpus writer never writes an empty document).
         split: Megatron's split weights, e.g. ``"969,30,1"``.
 
     Returns:
@@ -128,6 +130,8 @@ def check_split(sequence_lengths: np.ndarray, split: str) -> list[tuple[int, int
         ValueError: a split with a positive weight gets no documents (or no tokens); the
             message names the split, the document count, and the fixes.
     """
+    if isinstance(sequence_lengths, (int, np.integer)):
+        sequence_lengths = np.ones(int(sequence_lengths), dtype=np.int64)
     n = len(sequence_lengths)
     ranges = split_document_ranges(n, split)
     for name, rng in zip(SPLIT_NAMES, ranges):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import sys
 import time
@@ -166,6 +167,9 @@ def _check_type(stem: str, name: str, value: Any, info: dict[str, Any]) -> Any:
         raise ParameterError(
             f"{stem}.{name} must be {type_name} (default {info.get('default')}), got {value!r}"
         )
+    if type_name == "float" and not math.isfinite(value):
+        raise ParameterError(f"{stem}.{name}={value!r} is not a finite number (1e400 reads as inf): "
+                             f"give a value like the default, {info.get('default')}")
     return float(value) if type_name == "float" else value
 
 

@@ -204,6 +204,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
         trainer.grad_scaler.unscale_(trainer.optimizer)
     norm = grad_norm_and_clip(params, cfg.clip_grad)
     lr = trainer.optimizer.param_groups[0]["lr"]
+    _stop_on_non_finite(trainer, loss, norm, lr)
     if trainer.grad_scaler is not None:
         trainer.grad_scaler.step(trainer.optimizer)
         trainer.grad_scaler.update()
@@ -213,6 +214,26 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     trainer.iteration += 1
     trainer.consumed_train_samples += cfg.global_batch_size
     return {"lm_loss": float("nan") if loss is None else loss, "grad_norm": norm, "lr": lr}
+
+
+def _stop_on_non_finite(trainer: Trainer, loss: float | None, grad_norm: float, lr: float) -> None:
+    """Raise before the optimizer step when the loss or the gradient norm is NaN or infinite.
+
+    Megatron-LM checks the same by default (``check_for_nan_in_loss_and_grad``); stepping would
+    write NaN into every weight, and the next checkpoint would keep it. The gradient norm is the
+    same on every rank (reduced over the model-parallel group), so all ranks stop together.
+    Under fp16 an infinite norm is the loss scaler's business (it skips the step), not an error.
+
+    Raises:
+        FloatingPointError: names the iteration, the values and what to try.
+    """
+    bad_loss = loss is not None and not math.isfinite(loss)
+    bad_norm = not math.isfinite(grad_norm) and trainer.grad_scaler is None
+    if bad_loss or bad_norm:
+        raise FloatingPointError(
+            f"iteration {trainer.iteration + 1}: lm loss {loss}, grad norm {grad_norm} (lr {lr:.3g}) is not finite; "
+            "training stopped before the optimizer step, so the last checkpoint is intact. Lower lr, keep "
+            "clip_grad on, or check the model's init_method_std")
 
 
 def evaluate(trainer: Trainer, dataset=None, eval_iters: int | None = None) -> float | None:

@@ -13,6 +13,7 @@ Sources: Megatron-LM ``megatron/training/arguments.py`` (the names and defaults)
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -173,7 +174,25 @@ class TrainingConfig:
                 decay style, bf16/fp16 without CUDA.
             FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
             ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
+            ValueError: a float that is not finite, or outside what AdamW training can use
+                (``lr`` above 1, ``adam_beta*`` outside [0, 1), ``adam_eps`` not positive,
+                negative ``weight_decay`` or ``clip_grad``).
         """
+        for obj, prefix in ((self, ""), (self.model, "model.")):
+            for f in fields(obj):
+                value = getattr(obj, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"{prefix}{f.name}={value} is not a finite number: training would run on NaN")
+        if self.lr > 1.0:
+            raise ValueError(f"lr={self.lr} is above 1: AdamW diverges at once (the guide uses 5e-4, this series 2e-3)")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1) (the guide: 0.9 and 0.999)")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps={self.adam_eps} must be positive (the guide: 1e-8)")
+        for name in ("weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                      "eval_iters", "eval_interval", "tensor_model_parallel_size",
                      "pipeline_model_parallel_size"):

@@ -179,3 +179,15 @@ def test_empty_jsonl_says_it_holds_no_documents(tmp_path):
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="holds no documents"):
         corpus.collect_corpus(path)
+
+
+def test_line_separators_inside_a_document_stay_inside_its_json_line(tmp_path):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines(); written raw, notebook 01's
+    line count and json.loads of a line broke (issue 13)."""
+    text = "a = 1\u2028b = 2\x85c = 3\u2029# é\n"
+    path = tmp_path / "docs.json"
+    assert corpus.write_jsonl([corpus.Document(text, "x.py"), corpus.Document("y = 2\n", "y.py")], path) == 2
+    raw = path.read_text(encoding="utf-8")
+    assert len(raw.splitlines()) == 2 and "\u2028" not in raw and "é" in raw
+    assert json.loads(raw.splitlines()[0])["content"] == text
+    assert corpus.read_contents(path) == [text, "y = 2\n"]

@@ -142,3 +142,10 @@ def test_naive_loop_counts_epochs(data):
     out = dataset_indices.naive_epoch_loop(lengths, docs, ds, seq_length=SEQ, num_samples=per_epoch * 2 + 1)
     assert out["epochs"] == 3 and out["samples"] == per_epoch * 2 + 1
     assert out["tokens_read"] == 3 * int(lengths[docs].sum())
+
+
+def test_check_split_takes_a_document_count_and_names_the_empty_part():
+    assert dataloader.check_split(10, "8,1,1") == [(0, 8), (8, 9), (9, 10)]
+    with pytest.raises(ValueError, match=r"gives the valid split 0 of 3 documents"):
+        dataloader.check_split(3, "969,30,1")
+    assert dataloader.check_split(3, "1,0,0")[1:] == [None, None]

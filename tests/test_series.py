@@ -143,3 +143,9 @@ def test_run_only_a_later_notebook_runs_its_missing_stages_first_and_require_the
     assert results.load_summary(run)["00_first"]["steps_squared"] == 16
     assert [r.stem for r in series.run("tiny", run_dir=run, only=["01"])] == ["01_second"]
     assert series.require("01_second", run, "tiny", build=False) == run.resolve()
+
+
+def test_a_float_override_that_is_not_finite_is_refused(tiny_series):
+    assert series.parse_override("rate=1e400") == ("rate", float("inf"))
+    with pytest.raises(series.ParameterError, match=r"01_second.rate=inf is not a finite number"):
+        series.run("tiny", {"rate": float("inf")})

@@ -297,3 +297,28 @@ def test_03_results_in_the_smoke_series(series_run):
     assert s["cells_vs_script_loss_difference"] == 0.0
     assert s["cells_vs_script_grad_norm_difference"] == 0.0
     assert s["cells_checkpoint_logits_identical"] is True
+
+
+def test_non_finite_or_absurd_floats_are_refused_before_anything_starts(data, tmp_path):
+    """-p lr=1e400 reads as inf; it used to pass every check and train to 'lm loss: NAN' (issue 13)."""
+    cfg = tiny_config(data, tmp_path)
+    for bad, match in ((dict(lr=float("inf")), r"lr=inf is not a finite number"),
+                       (dict(min_lr=float("nan")), r"min_lr=nan is not a finite number"),
+                       (dict(lr=5.0), r"lr=5.0 is above 1"), (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
+                       (dict(adam_eps=0.0), "adam_eps=0.0 must be positive"), (dict(clip_grad=-1.0), "clip_grad=-1.0 must be >= 0"),
+                       (dict(model=replace(cfg.model, init_method_std=float("inf"))), r"model.init_method_std=inf")):
+        with pytest.raises(ValueError, match=match):
+            replace(cfg, **bad).check()
+
+
+def test_a_non_finite_loss_or_grad_norm_stops_before_the_optimizer_step():
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(iteration=41, grad_scaler=None)
+    training._stop_on_non_finite(trainer, 2.5, 1.0, 1e-3)  # finite: nothing happens
+    training._stop_on_non_finite(trainer, None, 1.0, 1e-3)  # not the last pipeline stage: no loss here
+    with pytest.raises(FloatingPointError, match=r"iteration 42: lm loss nan, grad norm 1.0 .*last checkpoint is intact"):
+        training._stop_on_non_finite(trainer, float("nan"), 1.0, 1e-3)
+    with pytest.raises(FloatingPointError, match=r"grad norm inf"):
+        training._stop_on_non_finite(trainer, 3.0, float("inf"), 1e-3)
+    training._stop_on_non_finite(SimpleNamespace(iteration=1, grad_scaler=object()), 3.0, float("inf"), 1e-3)  # fp16: the scaler skips
