@@ -281,6 +281,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
 
     from helpers import checkpointing
     from helpers.metrics import read_metrics
+    from helpers.training_config import check_resume_schedule
 
     cfg.check(nproc_per_node)
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)
@@ -290,6 +291,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
+    if latest is not None:
+        check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun
     config_path = cfg.to_json(cfg.run_path / config_name)
     bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
     info: dict[str, str] = {}

@@ -55,7 +55,7 @@ from helpers.distributed import destroy_distributed, initialize_distributed
 from helpers.environment import package_version
 from helpers.optimizer import ADAMW_CALLS, build_optimizer, build_scheduler, grad_norm_and_clip
 from helpers.metrics import MetricsLogger, read_metrics
-from helpers.training_config import TrainingConfig, num_microbatches, resolve_precision
+from helpers.training_config import TrainingConfig, check_resume_schedule, num_microbatches, resolve_precision
 
 
 # =========================================================================== data
@@ -307,6 +307,7 @@ def _checkpoint_metadata(trainer: Trainer) -> dict[str, Any]:
         "tokenizer_dir": str(cfg.tokenizer_path),
         "checkpoint_format": "torch_dist",
         "megatron_core_version": package_version("megatron-core"),
+        "lr_schedule": cfg.lr_schedule_settings(),
     }
 
 
@@ -340,6 +341,18 @@ def load(trainer: Trainer) -> int:
         return 0
     saved = checkpointing.read_model_config(ckpt_dir, iteration)
     checkpointing.check_compatible(saved, _checkpoint_metadata(trainer), ckpt_dir)
+    if saved.get("model_only"):  # e.g. the way back from transformers: weights, no optimizer
+        state = checkpointing.load_checkpoint(ckpt_dir, iteration, {"model": trainer.bare_model.sharded_state_dict()})
+        trainer.bare_model.load_state_dict(state["model"], strict=True)
+        trainer.iteration = iteration
+        print(f"> {ckpt_dir} holds model weights only (model_config.json: model_only): fresh AdamW state and "
+              f"learning-rate schedule from iteration {iteration}", flush=True)
+        return iteration
+    schedule = check_resume_schedule(trainer.cfg, saved)
+    if schedule is not None:  # use_checkpoint_opt_param_scheduler: the saved schedule
+        trainer.scheduler = build_scheduler(trainer.optimizer, replace(
+            trainer.cfg, lr_decay_iters=schedule["lr_decay_iters"],
+            **{k: v for k, v in schedule.items() if k != "lr_decay_iters"}))
     template = _state(trainer)
     info = trainer.dist_info
     same_layout = [saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"),

@@ -38,6 +38,10 @@ class TrainingConfig:
 
     Attributes (units): batch sizes in samples of ``seq_length`` tokens; iterations are
     optimizer steps; ``lr``/``min_lr`` per step; intervals in iterations.
+    ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``: Megatron-LM's
+    flags for a resume whose learning-rate schedule (:meth:`lr_schedule_settings`) differs from
+    the checkpoint's: follow this config's schedule, or the saved one. With neither, such a
+    resume is refused (:func:`check_resume_schedule`).
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -71,6 +75,8 @@ class TrainingConfig:
     metrics_path: str | None = None
     layer_spec: str = "auto"
     use_megatron_ddp: bool = True
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     # ----------------------------------------------------------------- derived paths
     @property
@@ -112,6 +118,11 @@ class TrainingConfig:
     def decay_iters(self) -> int:
         """``lr_decay_iters``, or ``train_iters`` when unset (Megatron's default)."""
         return self.lr_decay_iters or self.train_iters
+
+    def lr_schedule_settings(self) -> dict[str, Any]:
+        """What defines the learning-rate schedule; written next to each checkpoint."""
+        return {"lr": self.lr, "min_lr": self.min_lr, "lr_warmup_iters": self.lr_warmup_iters,
+                "lr_decay_iters": self.decay_iters, "lr_decay_style": self.lr_decay_style}
 
     # ----------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +194,9 @@ class TrainingConfig:
                 value = getattr(obj, f.name)
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"{prefix}{f.name}={value} is not a finite number: training would run on NaN")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set: "
+                             "choose one (this config's schedule, or the checkpoint's)")
         if self.lr > 1.0:
             raise ValueError(f"lr={self.lr} is above 1: AdamW diverges at once (the guide uses 5e-4, this series 2e-3)")
         for name in ("adam_beta1", "adam_beta2"):
@@ -299,3 +313,34 @@ def resolve_precision(precision: str) -> str:
     if precision != "fp32" and not torch.cuda.is_available():
         raise ValueError(f"precision={precision!r} needs a CUDA GPU; use 'fp32' (or 'auto') on CPU")
     return precision
+
+
+def check_resume_schedule(cfg: TrainingConfig, saved: dict[str, Any]) -> dict[str, Any] | None:
+    """Decide the learning-rate schedule of a resume, as Megatron-LM does (``optimizer_param_scheduler.py``).
+
+    Args:
+        cfg: the run about to resume.
+        saved: the checkpoint's ``model_config.json`` (its ``lr_schedule``, when present).
+
+    Returns:
+        The schedule settings to use instead of ``cfg``'s (the checkpoint's, with
+        ``use_checkpoint_opt_param_scheduler``), or None to use ``cfg``'s.
+
+    Raises:
+        ValueError: the schedules differ and neither flag says which one to follow; the
+            message lists the differences and both options.
+    """
+    old = saved.get("lr_schedule")
+    new = cfg.lr_schedule_settings()
+    if not old or old == new:
+        return None
+    if cfg.use_checkpoint_opt_param_scheduler:
+        return old
+    if cfg.override_opt_param_scheduler:
+        return None
+    diffs = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])
+    raise ValueError(
+        f"the checkpoint's learning-rate schedule differs from this run's ({diffs}). Resuming would jump "
+        "the learning rate. Say which to follow, as Megatron-LM asks: override_opt_param_scheduler=True "
+        "(this run's schedule from the saved iteration on) or use_checkpoint_opt_param_scheduler=True "
+        "(the saved schedule). Nothing was loaded or changed.")

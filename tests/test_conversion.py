@@ -438,3 +438,21 @@ def test_continuation_starts_from_the_transformers_weights(trained_run, tmp_path
             hf_dir, tmp_path / "other", training_config=dataclasses.replace(cont, model=tiny(num_layers=3)))
     with pytest.raises(ValueError, match="train_iters=0"):
         conversion_way_back.continuation_config(run, tmp_path / "x", 0)
+
+
+def test_a_model_only_checkpoint_resumes_with_a_fresh_optimizer_and_another_schedule_is_refused(trained_run, tmp_path):
+    """The way back without a training config writes weights only; resuming it died inside
+    megatron-core with KeyError 'optimizer.state.exp_avg...' (issue 13)."""
+    from helpers import launch
+    from helpers.training_config import TrainingConfig
+
+    run, ckpt_dir, _ = trained_run
+    hf_dir = conversion.convert_to_hf_cached(ckpt_dir, tmp_path / "hf").output_dir
+    cont = conversion_way_back.continuation_config(run, tmp_path / "model_only", 2)
+    conversion_way_back.hf_to_megatron_checkpoint(hf_dir, cont.checkpoint_path)  # no training_config: model only
+    assert checkpointing.read_model_config(cont.checkpoint_path)["model_only"] is True
+    out = launch.train(cont, timeout_s=600, progress=False)
+    assert out.summary["iterations"] == 2 and any("holds model weights only" in line for line in out.log)
+    original = TrainingConfig.from_json(run / "run.json")
+    with pytest.raises(ValueError, match=r"lr_decay_iters 6 -> 8.*Nothing was loaded"):
+        launch.train(dataclasses.replace(original, train_iters=8, lr_decay_iters=8), progress=False)

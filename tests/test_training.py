@@ -322,3 +322,22 @@ def test_a_non_finite_loss_or_grad_norm_stops_before_the_optimizer_step():
     with pytest.raises(FloatingPointError, match=r"grad norm inf"):
         training._stop_on_non_finite(trainer, 3.0, float("inf"), 1e-3)
     training._stop_on_non_finite(SimpleNamespace(iteration=1, grad_scaler=object()), 3.0, float("inf"), 1e-3)  # fp16: the scaler skips
+
+
+def test_a_resume_with_another_lr_schedule_is_refused_unless_told_which_to_follow():
+    """Rerunning 03 with train_iters=400 stretched the cosine and the lr jumped from 2.0e-4 back to
+    1.1e-3 (issue 13); Megatron-LM refuses unless --override-opt_param-scheduler or
+    --use-checkpoint-opt_param-scheduler says which schedule to follow."""
+    old = training_config.TrainingConfig(train_iters=200, lr_warmup_iters=20)
+    saved = {"lr_schedule": old.lr_schedule_settings()}
+    assert training_config.check_resume_schedule(replace(old, seed=7), saved) is None  # same schedule
+    assert training_config.check_resume_schedule(old, {}) is None  # a checkpoint that records none
+    longer = replace(old, train_iters=400)
+    with pytest.raises(ValueError, match=r"lr_decay_iters 200 -> 400.*override_opt_param_scheduler=True.*"
+                                         r"use_checkpoint_opt_param_scheduler=True"):
+        training_config.check_resume_schedule(longer, saved)
+    assert training_config.check_resume_schedule(replace(longer, override_opt_param_scheduler=True), saved) is None
+    assert training_config.check_resume_schedule(replace(longer, use_checkpoint_opt_param_scheduler=True),
+                                                 saved) == old.lr_schedule_settings()
+    with pytest.raises(ValueError, match="choose one"):
+        replace(longer, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True).check()

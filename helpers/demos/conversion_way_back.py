@@ -130,6 +130,7 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
         meta["tokenizer_dir"] = str(training_config.tokenizer_path)
     else:
         state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
+        meta["model_only"] = True  # training resumes it with a fresh optimizer (helpers.training.load)
     if overwrite and ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
     return checkpointing.save_checkpoint(ckpt_dir, iteration, state, meta)
