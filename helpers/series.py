@@ -223,7 +223,8 @@ def resolve_parameters(
         if not valid:
             if not strict:
                 return
-            names = sorted({n for params in declared.values() for n in params} - set(RUNNER_PARAMETERS))
+            scope = [targets[0]] if "." in key else list(declared)  # NN_stem.name: that notebook's names only
+            names = sorted({n for stem in scope for n in declared[stem]} - set(RUNNER_PARAMETERS))
             raise ParameterError(
                 f"{source} {key!r} is not a parameter of "
                 + (f"{targets[0]}" if "." in key else "any selected notebook")
@@ -318,7 +319,9 @@ def run(
         profile: a key of :data:`PROFILES`; ``None`` picks :func:`default_profile`.
         overrides: parameter overrides, see :func:`resolve_parameters`.
         run_dir: the run folder; default ``runs/<profile>-<timestamp>``. ``runs/latest``
-            points at it when it lies in ``runs/``. Reusing a folder reuses its artifacts.
+            points at it when it lies in ``runs/`` (for an ``only`` run, only when there is no
+            ``runs/latest`` yet: the other notebooks read it by default). Reusing a folder
+            reuses its artifacts.
         only: notebook numbers or stems to run (``["01", "02"]``); default all.
         log_output: stream the notebooks' cell output to this terminal.
 
@@ -351,8 +354,9 @@ def run(
         selected = sorted(selected + [p for p in notebooks() if p.stem in before])
     params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
     results.run_path(folder)
-    if folder.parent.resolve() == RUNS_DIR.resolve():
-        _point_latest(folder)
+    latest = RUNS_DIR / "latest"
+    if folder.parent.resolve() == RUNS_DIR.resolve() and (only is None or not (latest.is_symlink() or latest.exists())):
+        _point_latest(folder)  # a partial run (--only) does not take runs/latest from a complete one
     executed = folder / "executed"
     executed.mkdir(exist_ok=True)
     timeout = CELL_TIMEOUT_S.get(profile, 1800)

@@ -197,16 +197,15 @@ class TrainingConfig:
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set: "
                              "choose one (this config's schedule, or the checkpoint's)")
-        if self.lr > 1.0:
-            raise ValueError(f"lr={self.lr} is above 1: AdamW diverges at once (the guide uses 5e-4, this series 2e-3)")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1) (the guide: 0.9 and 0.999)")
-        if not self.adam_eps > 0:
-            raise ValueError(f"adam_eps={self.adam_eps} must be positive (the guide: 1e-8)")
-        for name in ("weight_decay", "clip_grad"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+        rules = {"lr": (self.lr <= 1.0, "is above 1: AdamW diverges at once (the guide uses 5e-4)"),
+                 "adam_beta1": (0 <= self.adam_beta1 < 1, "must be in [0, 1) (the guide: 0.9)"),
+                 "adam_beta2": (0 <= self.adam_beta2 < 1, "must be in [0, 1) (the guide: 0.999)"),
+                 "adam_eps": (self.adam_eps > 0, "must be positive (the guide: 1e-8)"),
+                 "weight_decay": (self.weight_decay >= 0, "must be >= 0 (0 turns it off)"),
+                 "clip_grad": (self.clip_grad >= 0, "must be >= 0 (0 turns it off)")}
+        for name, (ok, rule) in rules.items():
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} {rule}")
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                      "eval_iters", "eval_interval", "tensor_model_parallel_size",
                      "pipeline_model_parallel_size"):

@@ -22,7 +22,7 @@ from helpers import checkpointing, conversion
 from helpers import model as model_lib
 from helpers import tokenizer as tokenizer_lib
 from helpers.demos import conversion_proofs as proofs
-from helpers.demos import conversion_way_back, tensor_parallel_run
+from helpers.demos import conversion_way_back, generation, tensor_parallel_run
 from helpers.distributed import initialize_distributed
 
 pytestmark = pytest.mark.timeout(300)
@@ -194,8 +194,8 @@ def test_greedy_generation_and_validation_loss_agree():
     model = randomized_model(cfg, seed=5)
     hf = hf_from_state_dict(conversion.megatron_to_hf_state_dict(model.state_dict(), cfg), cfg)
     prompt = [5, 17, 42, 7]
-    mc = model_lib.greedy_generate(model, prompt, 12, vocab_size=VOCAB)[len(prompt):]
-    assert mc == proofs.greedy_generate_hf(hf, prompt, 12)
+    mc = generation.greedy_generate(model, prompt, 12, vocab_size=VOCAB)[len(prompt):]
+    assert mc == generation.greedy_generate_hf(hf, prompt, 12)
     assert len(mc) == 12
     ids = tokens(batch=8, seq=33, seed=9)
     mask = torch.ones(8, 32)
@@ -246,7 +246,7 @@ def test_convert_to_hf_writes_a_complete_exact_folder(plain_checkpoint, hf_folde
     generator = pipeline("text-generation", model=str(out), device="cpu")
     text = generator(prompt, max_new_tokens=6, do_sample=False)[0]["generated_text"]
     prompt_ids = tok(prompt)["input_ids"]
-    expected = model_lib.greedy_generate(model, prompt_ids, 6, eod_id=eod, vocab_size=VOCAB)[len(prompt_ids):]
+    expected = generation.greedy_generate(model, prompt_ids, 6, eod_id=eod, vocab_size=VOCAB)[len(prompt_ids):]
     assert text == prompt + tok.decode(expected)
 
 

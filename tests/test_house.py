@@ -14,7 +14,7 @@ HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 #: Plumbing: what runs the series and keeps megatron-core working on a CPU; a learner need not read it.
 PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics"}
 MAX_MODULE_LINES = 420
-MAX_LEARNER_LINES = 2250  # issue 12: "about 2,000"; 2,214 at 2026-12-01
+MAX_LEARNER_LINES = 2300  # issue 12: "about 2,000"; 2,214 when it closed, 2,255 with issue 13's checks
 
 
 def modules() -> dict[str, Path]:

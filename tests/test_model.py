@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import model
+from helpers.demos import generation
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +199,14 @@ def test_greedy_generate_is_deterministic_and_skips_padded_rows(dist1):
     torch.manual_seed(1234)  # the weights, whatever the tests before this one drew
     gpt = model.build_model(model.ModelConfig(**TINY)).eval()
     gpt.tokenizer_vocab_size = 10  # rows 10..511 are padding: never chosen
-    a = model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
-    assert a == model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
+    a = generation.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
+    assert a == generation.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6)
     assert a[:3] == [1, 2, 3] and len(a) == 9 and all(0 <= t < 10 for t in a[3:])
-    penalised = model.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6, repetition_penalty=1e6)
+    penalised = generation.greedy_generate(gpt, [1, 2, 3], max_new_tokens=6, repetition_penalty=1e6)
     # A huge penalty pushes every token already in the text below the unseen ones, unless all
     # of those have negative logits (CTRL's rule multiplies them): true for these weights.
     assert len(set(penalised[3:])) == 6
     with pytest.raises(ValueError, match="prompt_ids is empty"):
-        model.greedy_generate(gpt, [], 4)
+        generation.greedy_generate(gpt, [], 4)
     with pytest.raises(ValueError, match="repetition_penalty"):
-        model.greedy_generate(gpt, [1], 4, repetition_penalty=0)
+        generation.greedy_generate(gpt, [1], 4, repetition_penalty=0)

@@ -149,3 +149,16 @@ def test_a_float_override_that_is_not_finite_is_refused(tiny_series):
     assert series.parse_override("rate=1e400") == ("rate", float("inf"))
     with pytest.raises(series.ParameterError, match=r"01_second.rate=inf is not a finite number"):
         series.run("tiny", {"rate": float("inf")})
+
+
+def test_a_partial_run_does_not_take_runs_latest_from_a_complete_one(tiny_series):
+    runs_dir = tiny_series.parent / "runs"
+    series.run("tiny", run_dir=runs_dir / "full")
+    series.run("tiny", run_dir=runs_dir / "partial", only=["01"])
+    assert (runs_dir / "latest").resolve() == (runs_dir / "full").resolve()
+
+
+def test_a_stem_qualified_unknown_name_lists_that_notebooks_parameters_only(tiny_series):
+    with pytest.raises(series.ParameterError) as err:
+        series.run("tiny", {"00_first.rate": 1.0})
+    assert "Valid names: steps" in str(err.value) and "rate" not in str(err.value).split("Valid names:")[1]

@@ -6,8 +6,7 @@
 * section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_scatter_figure`,
   :func:`validation_tokens` (the same logits);
 * section 8: :func:`validation_loss`, :func:`compare_validation_loss` (the same validation loss);
-* section 9: :func:`greedy_generate_hf` (transformers' side of the same greedy tokens; megatron-core's
-  is ``helpers.model.greedy_generate``);
+* section 9: the same greedy tokens: ``helpers.demos.generation``;
 * sections 10 and 12: :func:`compare_hf_folders` (bit-identical folders);
 * section 11: :func:`parameter_devices`, :func:`push_to_hub`.
 
@@ -23,7 +22,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -361,21 +360,6 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
     logged = valid[-1] if valid else None
     return ValidationComparison(logged["lm_loss"] if logged else None, hf_loss, mc_loss, mc_real, kw["num_samples"],
                                 cfg.model.seq_length, logged["iteration"] if logged else iteration, padded)
-
-
-# =========================================================================== section 9: the same greedy tokens
-@torch.no_grad()
-def greedy_generate_hf(hf_model, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding with transformers ``generate(do_sample=False)`` (stops at the EOS of the
-    generation config, or at the position table's end).
-
-    Returns:
-        The new token ids (without the prompt).
-    """
-    inp = torch.tensor([list(prompt_ids)], device=next(hf_model.parameters()).device)
-    max_new = max(0, min(max_new_tokens, hf_model.config.n_positions - inp.shape[1]))
-    out = hf_model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False, num_beams=1)
-    return out[0, inp.shape[1]:].tolist()
 
 
 # =========================================================================== sections 10 and 12: identical folders
