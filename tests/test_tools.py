@@ -102,14 +102,20 @@ def test_make_install_with_only_3_11_creates_nothing(tmp_path):
         assert not (repo / ".venv").exists()
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_make_refuses_a_venv_left_from_python_3_11(tmp_path):
+def _repo_with_venv_dir(tmp_path):
+    """A copy of the Makefile, its inputs and tools/find-python, with an empty ``.venv/bin``."""
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
     (repo / ".venv" / "bin").mkdir(parents=True)
     for name in ("Makefile", "requirements.txt", "pyproject.toml"):
         shutil.copy(ROOT / name, repo / name)
     shutil.copy(FIND_PYTHON, repo / "tools" / "find-python")
+    return repo
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_refuses_a_venv_left_from_python_3_11(tmp_path):
+    repo = _repo_with_venv_dir(tmp_path)
     _fake_python(repo / ".venv" / "bin", "python", "3.11")
     out = subprocess.run(["make", "-C", str(repo), "test"], env={"PATH": str(_bin(tmp_path))},
                          capture_output=True, text=True)
@@ -135,12 +141,7 @@ def test_a_missing_constraint_file_is_named(tmp_path):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_refuses_a_venv_whose_interpreter_is_gone(tmp_path):
-    repo = tmp_path / "repo"
-    (repo / "tools").mkdir(parents=True)
-    (repo / ".venv" / "bin").mkdir(parents=True)
-    for name in ("Makefile", "requirements.txt", "pyproject.toml"):
-        shutil.copy(ROOT / name, repo / name)
-    shutil.copy(FIND_PYTHON, repo / "tools" / "find-python")
+    repo = _repo_with_venv_dir(tmp_path)
     (repo / ".venv" / "bin" / "python").symlink_to(tmp_path / "uninstalled-python3.11")
     out = subprocess.run(["make", "-C", str(repo), "install"], env={"PATH": str(_bin(tmp_path))},
                          capture_output=True, text=True)
