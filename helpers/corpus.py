@@ -325,7 +325,14 @@ def write_jsonl(documents: Iterable[Document], path: str | os.PathLike, *, overw
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for doc in documents:
-                f.write(_json_line({CONTENT_KEY: doc.content, "path": doc.path}) + "\n")
+                try:
+                    line = _json_line({CONTENT_KEY: doc.content, "path": doc.path})
+                    f.write(line + "\n")
+                except UnicodeEncodeError as err:
+                    bad = err.object[err.start:err.end]
+                    where = f"at character {doc.content.find(bad)}" if bad in doc.content else "in its path"
+                    raise ValueError(f"document {count} ({doc.path}): {bad!r} {where} is a lone surrogate, which "
+                                     f"UTF-8 cannot store; fix or drop that text (nothing was written to {path})") from None
                 count += 1
         os.replace(tmp, path)
     except BaseException:

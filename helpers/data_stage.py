@@ -19,7 +19,7 @@ from helpers import corpus as corpus_mod
 from helpers import results
 from helpers import tokenizer as tokenizer_mod
 from helpers.encoders import resolve_engine
-from helpers.preprocess import (DATA_DIR, JSONL_NAME, MANIFEST_NAME, PREFIX_NAME, TOKENIZER_DIR, DataPaths,
+from helpers.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NAME, PREFIX_NAME, TOKENIZER_DIR, DataPaths,
                                 open_indexed_dataset, split_document_ranges, tokenize_to_indexed_dataset)
 
 #: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
@@ -103,8 +103,7 @@ def build_data(
     requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
                  "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
                  "split": split, "seed": seed}
-    manifest_path = data_dir / MANIFEST_NAME
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else None
+    manifest = data_manifest(run_dir) if (data_dir / MANIFEST_NAME).is_file() else None  # a damaged one: ValueError
     if manifest is not None:
         for name, value in requested.items():
             if value is not None and manifest["settings"].get(name) != value:

@@ -131,6 +131,8 @@ def check_split(sequence_lengths: np.ndarray | int, split: str) -> list[tuple[in
             message names the split, the document count, and the fixes.
     """
     if isinstance(sequence_lengths, (int, np.integer)):
+        if sequence_lengths < 0:
+            raise ValueError(f"num_documents={sequence_lengths} must be >= 0")
         sequence_lengths = np.ones(int(sequence_lengths), dtype=np.int64)
     n = len(sequence_lengths)
     ranges = split_document_ranges(n, split)

@@ -276,8 +276,15 @@ def _load_manifest(data_dir: Path) -> dict[str, Any] | None:
     path = data_dir / MANIFEST_NAME
     if not path.is_file():
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        manifest = err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        why = manifest if isinstance(manifest, Exception) else f"no 'settings' object in {type(manifest).__name__}"
+        raise ValueError(f"{path} is not a data manifest ({why}): delete {data_dir} and rerun notebook 01 "
+                         f"(python -m helpers.series run --only 01 --run-dir {data_dir.parent})")
+    return manifest
 
 
 def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -302,7 +309,7 @@ def data_paths(run_dir: str | os.PathLike) -> DataPaths:
     manifest = data_manifest(run_dir)
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
     prefix = data_dir / PREFIX_NAME
-    if "preprocess" not in manifest or not Path(f"{prefix}.idx").is_file():
+    if not {"preprocess", "tokenizer"} <= set(manifest) or not Path(f"{prefix}.idx").is_file():
         raise FileNotFoundError(f"{prefix}.bin/.idx not found: notebook 01 makes them "
                                 f"(python -m helpers.series run --only 01 --run-dir {run_dir})")
     return DataPaths(jsonl=data_dir / JSONL_NAME, tokenizer_dir=data_dir / TOKENIZER_DIR, data_prefix=prefix,

@@ -191,3 +191,10 @@ def test_line_separators_inside_a_document_stay_inside_its_json_line(tmp_path):
     assert len(raw.splitlines()) == 2 and "\u2028" not in raw and "é" in raw
     assert json.loads(raw.splitlines()[0])["content"] == text
     assert corpus.read_contents(path) == [text, "y = 2\n"]
+
+
+def test_a_lone_surrogate_names_the_document_and_writes_nothing(tmp_path):
+    path = tmp_path / "docs.json"
+    with pytest.raises(ValueError, match=r"document 1 \(b.py\): '\\ud800' at character 2 is a lone surrogate"):
+        corpus.write_jsonl([corpus.Document("ok\n", "a.py"), corpus.Document("x=\ud800", "b.py")], path)
+    assert not path.exists() and list(tmp_path.iterdir()) == []

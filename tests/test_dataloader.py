@@ -149,3 +149,5 @@ def test_check_split_takes_a_document_count_and_names_the_empty_part():
     with pytest.raises(ValueError, match=r"gives the valid split 0 of 3 documents"):
         dataloader.check_split(3, "969,30,1")
     assert dataloader.check_split(3, "1,0,0")[1:] == [None, None]
+    with pytest.raises(ValueError, match="num_documents=-3 must be >= 0"):
+        dataloader.check_split(-3, "1,1,1")

@@ -206,3 +206,15 @@ def test_data_paths_reads_back_what_build_data_made_and_names_the_command_when_m
     assert (read.data_prefix, read.tokenizer_dir, read.jsonl) == (made.data_prefix, made.tokenizer_dir, made.jsonl)
     assert (read.num_documents, read.vocab_size, read.split) == (made.num_documents, made.vocab_size, "8,1,1")
     assert read.built == []
+
+
+def test_a_damaged_manifest_is_a_clear_error(tmp_path):
+    data = tmp_path / "run" / "data"
+    data.mkdir(parents=True)
+    for text in ('{"settings": {"split"', "[1, 2]"):
+        (data / preprocess.MANIFEST_NAME).write_text(text)
+        with pytest.raises(ValueError, match=r"is not a data manifest .*rerun notebook 01"):
+            preprocess.data_paths(tmp_path / "run")
+    (data / preprocess.MANIFEST_NAME).write_text('{"settings": {"split": "8,1,1"}}')  # the corpus step only
+    with pytest.raises(FileNotFoundError, match="notebook 01 makes them"):
+        preprocess.data_paths(tmp_path / "run")
