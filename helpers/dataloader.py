@@ -109,7 +109,7 @@ class MegatronTokenizerAdapter(_TokenizerBase):  # type: ignore[misc,valid-type]
 
 
 # --------------------------------------------------------------------------- splits and the guard
-def check_split(sequence_lengths: np.ndarray | int, split: str) -> list[tuple[int, int] | None]:
+def check_split(sequence_lengths: np.ndarray | int, split: str, *, parameter: str = "split") -> list[tuple[int, int] | None]:
     """Raise before megatron-core hangs on a split range without tokens; return the ranges.
 
     megatron-core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) loops
@@ -122,6 +122,8 @@ def check_split(sequence_lengths: np.ndarray | int, split: str) -> list[tuple[in
             or a number of documents, each taken to hold at least one token (notebook 01 checks
             its loose JSON before tokenizing; the corpus writer never writes an empty document).
         split: Megatron's split weights, e.g. ``"969,30,1"``.
+        parameter: the name the caller knows ``split`` by (e.g. notebook 02's ``"blend_split"``);
+            the error message names it.
 
     Returns:
         The ranges of :func:`split_document_ranges`.
@@ -146,7 +148,7 @@ def check_split(sequence_lengths: np.ndarray | int, split: str) -> list[tuple[in
             i = SPLIT_NAMES.index(name)
             need = int(np.ceil(0.5 * sum(weights[:3]) / weights[i])) if weights[i] > 0 else 0
             raise ValueError(
-                f"split={split!r} gives the {name} split {docs} of {n} documents "
+                f"{parameter}={split!r} gives the {name} split {docs} of {n} documents "
                 f"(range [{rng[0]}, {rng[1]}), {tokens} tokens): megatron-core 0.19.2 would loop "
                 f"forever in GPTDataset._get_num_epochs (gpt_dataset.py). Fix: use more documents "
                 f"(about {need} or more for this split), raise the {name} weight, or set it to 0 "

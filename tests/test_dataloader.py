@@ -151,3 +151,8 @@ def test_check_split_takes_a_document_count_and_names_the_empty_part():
     assert dataloader.check_split(3, "1,0,0")[1:] == [None, None]
     with pytest.raises(ValueError, match="num_documents=-3 must be >= 0"):
         dataloader.check_split(-3, "1,1,1")
+
+
+def test_check_split_names_the_callers_parameter():
+    with pytest.raises(ValueError, match=r"^blend_split='90,9,1' gives the test split 0 of 3 documents"):
+        dataloader.check_split(3, "90,9,1", parameter="blend_split")
