@@ -154,5 +154,5 @@ def test_check_split_takes_a_document_count_and_names_the_empty_part():
 
 
 def test_check_split_names_the_callers_parameter():
-    with pytest.raises(ValueError, match=r"^blend_split='90,9,1' gives the test split 0 of 3 documents"):
+    with pytest.raises(ValueError, match=r"^blend_split='90,9,1' gives the valid split 0 of 3 documents .range \[3, 3\)"):
         dataloader.check_split(3, "90,9,1", parameter="blend_split")
