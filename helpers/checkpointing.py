@@ -41,6 +41,10 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint in the folder was written for a different model; it is left untouched."""
 
 
+class CheckpointReadError(RuntimeError):
+    """A checkpoint folder could not be read (damaged shard, missing keys); it is left untouched."""
+
+
 def iteration_dir(checkpoint_dir: str | os.PathLike, iteration: int) -> Path:
     """``checkpoint_dir/iter_0000300`` for ``iteration=300`` (Megatron-LM's ``iter_%07d``)."""
     return Path(checkpoint_dir) / f"iter_{iteration:07d}"
@@ -265,10 +269,27 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, template:
     Returns:
         The loaded state dict (model/optimizer tensors, scheduler state, RNG state of this
         rank, iteration, consumed samples).
+
+    Raises:
+        CheckpointReadError: the folder could not be read (a damaged or partly copied shard,
+            missing keys); the message names the folder, the cause and the fixes.
     """
     from megatron.core import dist_checkpointing
 
-    return dist_checkpointing.load(template, str(iteration_dir(checkpoint_dir, iteration)))
+    folder = iteration_dir(checkpoint_dir, iteration)
+    try:
+        return dist_checkpointing.load(template, str(folder))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException, missed by @record
+        failures = [f[0] for f in getattr(err, "failures", {}).values() if isinstance(f, tuple) and f]
+        cause = failures[0] if failures and isinstance(failures[0], BaseException) else err  # the rank's own error
+        raise CheckpointReadError(
+            f"could not read the checkpoint {folder} ({type(cause).__name__}{': ' if str(cause) else ''}"
+            f"{' '.join(str(cause).split())}); a shard may be "
+            f"damaged or partly copied. Fix: delete {folder.name} and write an earlier iteration into "
+            f"{Path(checkpoint_dir) / TRACKER_FILE}, or train into a new run folder."
+        ) from err
 
 
 def read_model_tensors(folder: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:

@@ -9,13 +9,16 @@ and a failure names the rank that failed and shows the end of its log.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import json
+import tempfile
 import threading
 import time
 from collections import deque
@@ -23,14 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from helpers import run_guard
+
 
 class LaunchError(RuntimeError):
-    """A torchrun job failed, timed out, or could not start. ``log_tail`` holds its last lines."""
+    """A torchrun job failed, timed out, or could not start.
 
-    def __init__(self, message: str, log_tail: str = "", failed_rank: int | None = None):
-        super().__init__(message + (f"\n--- last lines of the log ---\n{log_tail}" if log_tail else ""))
+    ``str()`` is the one-line headline, then the job's last log lines (``log_tail``), then, for a
+    failed rank, ``failure``: the rank, its exception and message, where it was raised, the
+    rank's error file and the full log, so the cause is in the last lines a learner reads.
+    """
+
+    def __init__(self, message: str, log_tail: str = "", failed_rank: int | None = None, failure: str = ""):
+        super().__init__(message + (f"\n--- last lines of the log ---\n{log_tail}" if log_tail else "")
+                         + (f"\n--- the failure ---\n{failure}" if failure else ""))
+        self.headline = message
         self.log_tail = log_tail
         self.failed_rank = failed_rank
+        self.failure = failure
 
 
 @dataclass
@@ -72,6 +85,7 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     master_port: int,
     module: bool = True,
+    log_dir: str | os.PathLike | None = None,
 ) -> list[str]:
     """The ``torchrun`` command line (as run through ``python -m torch.distributed.run``).
 
@@ -81,6 +95,8 @@ def torchrun_command(
         nproc_per_node: processes (ranks) on this node; one per GPU on a GPU machine.
         nnodes, node_rank, master_addr, master_port: the static rendezvous of a multi-node job
             (torchrun's ``--nnodes/--node-rank/--master-addr/--master-port``).
+        log_dir: torchrun's ``--log-dir``: each failing rank that runs under torch elastic's
+            ``@record`` writes ``{log_dir}/{run id}/attempt_0/{local rank}/error.json`` there.
     """
     if isinstance(target, str):
         target = [target]
@@ -92,13 +108,17 @@ def torchrun_command(
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
     ]
+    if log_dir is not None:
+        cmd.append(f"--log-dir={log_dir}")
     if module:
         cmd.append("-m")
     return cmd + list(target)
 
 
-_RANK_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
+_ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank", re.S)
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception)\b.*)$")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rank_error(lines: Sequence[str], rank: int | None) -> str | None:
@@ -113,6 +133,40 @@ def _rank_error(lines: Sequence[str], rank: int | None) -> str | None:
     return found
 
 
+def error_files(log_dir: str | os.PathLike, since: float = 0.0) -> list[dict[str, Any]]:
+    """The ``error.json`` files that failing ranks wrote under torchrun's ``log_dir`` (torch elastic's
+    ``@record``), modified at or after ``since`` (a ``time.time()``), first failure first.
+
+    Returns:
+        ``[{"rank", "message", "traceback", "timestamp", "path"}]``; ``rank`` is the local rank.
+    """
+    found = []
+    for path in Path(log_dir).glob("*/attempt_*/*/error.json"):
+        try:
+            if path.stat().st_mtime < since - 1:
+                continue
+            data = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        extra = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+        message = data.get("message", "") if isinstance(data, dict) else str(data)
+        found.append({"rank": int(path.parent.name) if path.parent.name.isdigit() else None, "message": message,
+                      "traceback": extra.get("py_callstack", ""), "timestamp": int(extra.get("timestamp") or 0),
+                      "path": path})
+    return sorted(found, key=lambda e: (e["timestamp"], e["rank"] if e["rank"] is not None else 1 << 30))
+
+
+def _raised_at(traceback: str) -> str | None:
+    """``file:line in function`` of the innermost frame in this project's code (else the innermost)."""
+    frames = _FRAME.findall(traceback)
+    ours = [f for f in frames if f[0].startswith(str(_ROOT)) and "site-packages" not in f[0]]
+    if not frames:
+        return None
+    file, line, func = (ours or frames)[-1]
+    shown = os.path.relpath(file, _ROOT) if ours else file
+    return f"{shown}:{line} in {func}"
+
+
 def torchrun(
     target: str | Sequence[str],
     *,
@@ -124,6 +178,7 @@ def torchrun(
     on_line: Callable[[str], None] | None = print,
     cwd: str | os.PathLike | None = None,
     module: bool = True,
+    log_dir: str | os.PathLike | None = None,
 ) -> LaunchResult:
     """Run ``target`` under torchrun on this machine and wait for it, streaming its output.
 
@@ -136,13 +191,19 @@ def torchrun(
         log_path: where to also write the full log (appended).
         on_line: called with each output line (``print`` by default, ``None`` for silence).
         cwd: working directory of the job (default: the current one).
+        log_dir: torchrun's ``--log-dir`` for the ranks' error files (default: a temporary
+            folder, removed after a success).
+
+    The job's processes get ``HELPERS_LAUNCHER_PID`` (this process): ``helpers.training`` stops
+    when this process dies (:func:`helpers.run_guard.watch_launcher`).
 
     Returns:
         A :class:`LaunchResult` with the wall time and every output line.
 
     Raises:
         LaunchError: the port is in use, the job timed out, or a rank exited non-zero
-            (``failed_rank`` says which, when torchrun reported it).
+            (``failed_rank`` says which; ``failure`` names its exception, where it was raised,
+            its error file and the log).
     """
     if nproc_per_node < 1:
         raise LaunchError(f"nproc_per_node={nproc_per_node}: need at least 1 process")
@@ -153,7 +214,6 @@ def torchrun(
             f"master_port={master_port} is already in use on this machine: pick another port "
             "or pass master_port=None to let the launcher choose a free one"
         )
-    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module)
     # No PYTHONUNBUFFERED: unbuffered stdout writes a print's text and its newline in two
     # system calls, so lines of different ranks interleave. Programs print with flush=True.
     full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
@@ -163,26 +223,37 @@ def torchrun(
     root = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
 
-    log_file = open(log_path, "a", encoding="utf-8") if log_path else None
+    full_env[run_guard.LAUNCHER_PID_ENV] = str(os.getpid())  # the job stops if this process dies
+    made_log_dir = log_dir is None
+    log_dir = Path(tempfile.mkdtemp(prefix="torchrun-") if log_dir is None else log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module,
+                           log_dir=log_dir)
     tail: deque[str] = deque(maxlen=40)
     lines: list[str] = []
-    start = time.perf_counter()
+    stop = threading.Event()
+    started_at, start = time.time(), time.perf_counter()
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
         env=full_env, cwd=cwd, start_new_session=True,
     )
 
     def pump() -> None:
+        # Owns the log file. After the launch returns (``stop``) it keeps logging what workers
+        # still print (a worker whose torchrun died saves and exits) but calls on_line no more.
         assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            lines.append(line)
-            tail.append(line)
-            if log_file:
-                log_file.write(line + "\n")
-                log_file.flush()
-            if on_line is not None:
-                on_line(line)
+        with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as log_file:
+            for raw in proc.stdout:
+                line = raw.rstrip("\n")
+                if log_file:
+                    log_file.write(line + "\n")
+                    log_file.flush()
+                if stop.is_set():
+                    continue
+                lines.append(line)
+                tail.append(line)
+                if on_line is not None:
+                    on_line(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -201,22 +272,47 @@ def torchrun(
         raise
     finally:
         reader.join(timeout=5)
-        if log_file:
-            log_file.close()
+        stop.set()
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        text = "\n".join(lines)
-        match = _RANK_FAILURE.search(text)
-        rank = int(match.group(1)) if match else None
-        who = f"rank {rank}" if rank is not None else "a process"
-        cause = _rank_error(lines, rank)
-        raise LaunchError(
-            f"torchrun job failed: {who} exited with an error (exit code {proc.returncode})"
-            + (f": {cause}" if cause else "."),
-            "\n".join(tail),
-            failed_rank=rank,
-        )
+        raise _failure(proc.returncode, lines, tail, error_files(log_dir, since=started_at), log_path)
+    for sub in list(log_dir.iterdir()):  # torchrun's per-run folders: empty after a success
+        if sub.is_dir() and not any(sub.rglob("error.json")):
+            shutil.rmtree(sub, ignore_errors=True)
+    if made_log_dir or not any(log_dir.iterdir()):
+        shutil.rmtree(log_dir, ignore_errors=True)
     return LaunchResult(command=cmd, wall_seconds=wall, lines=lines)
+
+
+def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: list[dict[str, Any]],
+             log_path: str | os.PathLike | None) -> LaunchError:
+    """The :class:`LaunchError` of a failed job: the first failing rank (by its error file's time,
+    else torchrun's "Root Cause" block), its exception, where it was raised and the files to read."""
+    first = errors[0] if errors else None
+    if first is not None:
+        rank, cause = first["rank"], first["message"]
+    else:
+        match = _ROOT_CAUSE_RANK.search("\n".join(lines))
+        rank = int(match.group(1)) if match else None
+        cause = _rank_error(lines, rank)
+    who = f"rank {rank}" if rank is not None else "a process"
+    if returncode < 0 and first is None:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+        headline = (f"torchrun was ended by {name} (exit code {returncode}); its workers stop on their own "
+                    f"within seconds (helpers.run_guard.watch_launcher)")
+        return LaunchError(headline, "\n".join(tail))
+    headline = (f"torchrun job failed: {who} exited with an error (exit code {returncode})"
+                + (f": {cause.splitlines()[0]}" if cause else "."))
+    failure = [f"rank:       {who} (the first to fail)"]
+    if cause:
+        failure.append(f"exception:  {' '.join(cause.split())}")
+    if first is not None and (where := _raised_at(first["traceback"])):
+        failure.append(f"raised at:  {where}")
+    if first is not None:
+        failure.append(f"its traceback (torch elastic error file): {first['path']}")
+    if log_path:
+        failure.append(f"the log of every rank: {Path(log_path).resolve()}")
+    return LaunchError(headline, "\n".join(tail), failed_rank=rank, failure="\n".join(failure))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -275,6 +371,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
         checkpointing.CheckpointMismatchError: the checkpoint folder holds another model shape.
+        run_guard.RunFolderBusyError: another job trains ``cfg.run_path`` (named in the message).
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
     """
     from tqdm.auto import tqdm
@@ -284,6 +381,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     from helpers.training_config import check_resume_schedule
 
     cfg.check(nproc_per_node)
+    run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)
     summary_path = cfg.summary_file
     if latest is not None:
@@ -317,7 +415,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     try:
         res = torchrun(["helpers.training", "--config", str(config_path)], nproc_per_node=nproc_per_node,
                                   timeout_s=timeout_s, master_port=master_port, on_line=on_line,
-                                  log_path=cfg.run_path / "training.log", env=env)
+                                  log_path=cfg.run_path / "training.log", env=env,
+                                  log_dir=cfg.run_path / "torchrun_logs")
     finally:
         if bar is not None:
             bar.close()

@@ -30,6 +30,7 @@ import ast
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -99,6 +100,11 @@ class ParameterError(ValueError):
     """A parameter override names no notebook parameter, or has the wrong type."""
 
 
+class NotebookError(RuntimeError):
+    """A notebook failed: the message names it, the failing cell, the error (a training failure's
+    rank, exception and files) and the partly executed notebook, which is kept."""
+
+
 @dataclass
 class NotebookRun:
     """One executed notebook: its stem, output path and wall time in seconds."""
@@ -139,11 +145,13 @@ def parse_override(text: str) -> tuple[str, Any]:
     A bare comma-separated value stays a string (``split=969,30,1`` -> ``"969,30,1"``).
 
     Raises:
-        ParameterError: no ``=`` in ``text``.
+        ParameterError: no ``=`` in ``text``, or nothing before it.
     """
     if "=" not in text:
         raise ParameterError(f"-p {text!r}: write overrides as name=value, e.g. -p train_iters=500")
     name, raw = text.split("=", 1)
+    if not name.strip():
+        raise ParameterError(f"-p {text!r}: the name before '=' is empty; write name=value, e.g. -p train_iters=500")
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -282,6 +290,9 @@ def require(stem: str, run_dir: str | os.PathLike, profile: str | None = None, *
         FileNotFoundError: (``build=False``) a needed stage is missing; the message is the command.
     """
     folder = Path(run_dir).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"run_dir={str(run_dir)!r} is a file, not a run folder: pass a folder "
+                                 f"(the series' default is ../runs/latest)")
     missing = stages_needed(stem, folder)
     if not missing:
         return folder
@@ -330,7 +341,8 @@ def run(
 
     Raises:
         ParameterError: bad profile or parameter (before anything runs).
-        papermill.PapermillExecutionError: a cell failed; the partly executed notebook is saved.
+        NotebookError: a cell failed; the message names the notebook, the cell, the error and
+            the partly executed notebook, which is saved.
     """
     import papermill
 
@@ -366,11 +378,15 @@ def run(
         output = executed / path.name
         print(f"[{i}/{len(selected)}] {path.stem} ...", flush=True)
         start = time.perf_counter()
-        papermill.execute_notebook(
-            str(path), str(output), parameters=params[path.stem], cwd=str(path.parent),
-            kernel_name="python3", progress_bar=False, log_output=log_output,
-            execution_timeout=timeout,
-        )
+        with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir:
+            try:
+                papermill.execute_notebook(
+                    str(path), str(output), parameters=params[path.stem], cwd=str(path.parent),
+                    kernel_name="python3", progress_bar=False, log_output=log_output,
+                    execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
+                )
+            except papermill.PapermillExecutionError as err:
+                raise NotebookError(_failure_text(path.stem, err, output)) from None
         wall = time.perf_counter() - start
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
         done.append(NotebookRun(path.stem, output, wall))
@@ -381,6 +397,34 @@ def run(
     print(f"  figures:            {folder / 'figures'}")
     print(f"  results:            {folder / results.SUMMARY_FILE}")
     return done
+
+
+def _ipc_kernel_manager(folder: Path):
+    """A jupyter_client ``KernelManager`` that talks to its kernel over local IPC sockets in
+    ``folder`` instead of TCP: no ports, and no "Kernel is running over TCP without encryption"
+    warning from every notebook's kernel (ipykernel 7)."""
+    from jupyter_client.manager import KernelManager
+
+    class IPCKernelManager(KernelManager):
+        def __init__(self, **kwargs):
+            kwargs.update(transport="ipc", ip=str(folder / "kernel"))
+            super().__init__(**kwargs)
+
+    return IPCKernelManager
+
+
+def _failure_text(stem: str, err, output: Path) -> str:
+    """What a failed notebook prints last: the notebook, its cell, the error without the job's log
+    tail (``helpers.launch.LaunchError`` puts the rank, exception and files after it), and the
+    executed notebook."""
+    value = str(err.evalue)
+    if "\n--- last lines of the log ---\n" in value:
+        head, rest = value.split("\n--- last lines of the log ---\n", 1)
+        value = head + ("\n" + rest.split("\n--- the failure ---\n", 1)[1] if "\n--- the failure ---\n" in rest else "")
+    cell = f"cell In [{err.exec_count}]" if err.exec_count else f"cell {err.cell_index} (0-based)"
+    body = "\n".join("  " + line for line in value.splitlines())
+    return (f"notebook {stem} failed in {cell}: {err.ename}\n{body}\n"
+            f"  executed notebook (run up to the failing cell): {output}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     except ParameterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NotebookError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

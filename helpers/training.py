@@ -23,6 +23,10 @@ cells, call by call, and a test shows both give the same losses bit for bit.
 4. Every ``log_interval`` a log line, every ``eval_interval`` :func:`evaluate`, every
    ``save_interval`` :func:`save`; SIGTERM saves and exits.
 
+:func:`main` adds what a job needs around :func:`pretrain` (``helpers.run_guard``): it stops
+when its launcher dies, rank 0 holds the run folder's lock, and torch elastic's ``@record``
+writes a failing rank's traceback to its error file, which the launcher reports.
+
 Sources: Megatron-LM ``pretrain_gpt.py``, ``megatron/training/training.py`` (``setup_model_and_optimizer``,
 ``train_step``, ``training_log``, ``evaluate``), ``megatron/training/checkpointing.py``,
 ``megatron/legacy/data/data_samplers.py`` (``MegatronPretrainingSampler``),
@@ -48,8 +52,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.distributed.elastic.multiprocessing.errors import record
 
-from helpers import checkpointing, dataloader
+from helpers import checkpointing, dataloader, run_guard
 from helpers import model as model_lib
 from helpers.distributed import destroy_distributed, initialize_distributed
 from helpers.environment import package_version
@@ -507,8 +512,13 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
     return summary
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers.training --config run.json [--train-iters N]``."""
+    """``python -m helpers.training --config run.json [--train-iters N]``.
+
+    Raises:
+        run_guard.RunFolderBusyError: another job trains the same run folder (rank 0 checks).
+    """
     parser = argparse.ArgumentParser(prog="python -m helpers.training", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run.json written by TrainingConfig.to_json")
     parser.add_argument("--train-iters", type=int, default=None, help="override train_iters")
@@ -519,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, train_iters=args.train_iters)
     if args.exit_interval is not None:
         cfg = replace(cfg, exit_interval=args.exit_interval)
-    pretrain(cfg)
+    run_guard.watch_launcher()
+    with run_guard.run_folder_lock(cfg.run_path, enabled=int(os.environ.get("RANK", "0")) == 0):
+        pretrain(cfg)
     return 0
 
 

@@ -1,10 +1,18 @@
+import json
+import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import launch
+from helpers import launch, run_guard
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_free_port_is_bindable():
@@ -81,3 +89,128 @@ def test_timeout_kills_the_job(tmp_path):
     with pytest.raises(launch.LaunchError, match="did not finish within timeout_s=4"):
         launch.torchrun([str(script)], nproc_per_node=1, timeout_s=4, module=False, on_line=None)
     assert time.perf_counter() - start < 30
+
+
+# --------------------------------------------------------------------------- issue 13: orphans, locks, causes
+WORKER = """import os, sys, time
+from helpers import run_guard
+run_guard.watch_launcher(interval_s=0.2, grace_s=5)
+open(sys.argv[1], "w").write(f"{os.getpid()} {os.getppid()}")
+while True:
+    print("tick", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while _alive(pid) and time.monotonic() - start < timeout_s:
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_a_worker_stops_when_torchrun_is_killed(tmp_path, monkeypatch):
+    """kill -9 of torchrun's process group does not reach the worker (its own session); the
+    worker's watch_launcher ends it, and the launcher's reader thread raises nothing."""
+    script, pid_file, log = tmp_path / "worker.py", tmp_path / "pid", tmp_path / "log.txt"
+    script.write_text(WORKER)
+    thread_errors, box = [], {}
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+
+    def launch_it():
+        try:
+            launch.torchrun([str(script), str(pid_file)], module=False, on_line=None, timeout_s=60, log_path=log)
+        except launch.LaunchError as err:
+            box["err"] = err
+
+    thread = threading.Thread(target=launch_it)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker, agent = map(int, pid_file.read_text().split())
+    assert os.getsid(worker) != os.getpgid(agent)  # torch elastic's own session: killpg misses it
+    os.killpg(os.getpgid(agent), signal.SIGKILL)
+    assert _wait_gone(worker, 10) < 5, "the worker outlived torchrun"
+    thread.join(30)
+    assert "torchrun was ended by SIGKILL (exit code -9)" in str(box["err"])
+    assert thread_errors == []
+    assert "its parent process" in log.read_text() and "(torchrun) ended" in log.read_text()
+
+
+def test_a_worker_stops_when_its_launcher_process_ends(tmp_path):
+    """The notebook kernel that launched the job (HELPERS_LAUNCHER_PID) dies: the job stops."""
+    script, pid_file = tmp_path / "worker.py", tmp_path / "pid"
+    script.write_text(WORKER)
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), run_guard.LAUNCHER_PID_ENV: str(kernel.pid)}
+    worker = subprocess.Popen([sys.executable, str(script), str(pid_file)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert worker.poll() is None  # runs while its launcher runs
+        kernel.kill()
+        kernel.wait()
+        assert worker.wait(timeout=10) == -signal.SIGTERM
+        assert f"its launcher process {kernel.pid} ended" in worker.stderr.read()
+    finally:
+        kernel.kill()
+        worker.kill()
+
+
+def test_one_job_per_run_folder_and_the_message_names_it(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom helpers import run_guard\n"
+         "with run_guard.run_folder_lock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(120)\n",
+         str(tmp_path)], env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(run_guard.RunFolderBusyError, match=rf"is being trained by another job \(pid {holder.pid} on "):
+            run_guard.check_run_folder_free(tmp_path)
+        with pytest.raises(run_guard.RunFolderBusyError, match="train into another run folder"):
+            with run_guard.run_folder_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    run_guard.check_run_folder_free(tmp_path)  # the OS released the killed job's lock
+    with run_guard.run_folder_lock(tmp_path) as lock:
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_the_last_lines_name_the_rank_its_exception_and_where(tmp_path):
+    """torch elastic's @record writes the failing rank's error file; the message ends with it."""
+    script = tmp_path / "fail_shard.py"
+    script.write_text(
+        "import os, time\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        open('/nonexistent/__1_0.distcp', 'rb')\n"
+        "    time.sleep(30)\n"
+        "main()\n"
+    )
+    with pytest.raises(launch.LaunchError) as err:
+        launch.torchrun([str(script)], nproc_per_node=2, timeout_s=60, module=False, on_line=None,
+                        log_path=tmp_path / "training.log", log_dir=tmp_path / "torchrun_logs")
+    assert err.value.failed_rank == 1
+    assert err.value.headline.startswith("torchrun job failed: rank 1 exited with an error (exit code 1): "
+                                         "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/__1_0.distcp'")
+    last = str(err.value).splitlines()[-5:]
+    assert last[0] == "rank:       rank 1 (the first to fail)"
+    assert last[1].startswith("exception:  FileNotFoundError") and "__1_0.distcp" in last[1]
+    assert last[2] == f"raised at:  {script}:6 in main"
+    error_file = Path(last[3].split(": ", 1)[1])
+    assert error_file.is_file() and "__1_0.distcp" in json.loads(error_file.read_text())["message"]["message"]
+    assert last[4] == f"the log of every rank: {tmp_path / 'training.log'}"

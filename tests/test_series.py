@@ -162,3 +162,35 @@ def test_a_stem_qualified_unknown_name_lists_that_notebooks_parameters_only(tiny
     with pytest.raises(series.ParameterError) as err:
         series.run("tiny", {"00_first.rate": 1.0})
     assert "Valid names: steps" in str(err.value) and "rate" not in str(err.value).split("Valid names:")[1]
+
+
+def test_a_failing_notebook_ends_with_its_name_the_cause_and_the_executed_notebook(tiny_series, capfd):
+    """Issue 13 item 3: the last lines name the notebook, the rank's exception and its files, and
+    where the partly executed notebook is; the job's log tail stays in the log. Item 7: no
+    kernel prints "running over TCP without encryption" (the kernels talk over IPC)."""
+    _notebook(tiny_series / "02_fails.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\n',
+              "from helpers.launch import LaunchError\n"
+              "raise LaunchError('torchrun job failed: rank 1 exited with an error (exit code 1): EOFError', "
+              "'a line of the log tail', failed_rank=1, failure='rank:       rank 1 (the first to fail)\\n"
+              "the log of every rank: /x/training.log')")
+    run_dir = tiny_series.parent / "runs" / "f1"
+    assert series.main(["run", "--profile", "tiny", "--run-dir", str(run_dir), "--only", "02"]) == 1
+    captured = capfd.readouterr()
+    last = captured.err.strip().splitlines()[-5:]
+    assert last[0] == "error: notebook 02_fails failed in cell In [3]: LaunchError"
+    assert last[1] == "  torchrun job failed: rank 1 exited with an error (exit code 1): EOFError"
+    assert last[2:4] == ["  rank:       rank 1 (the first to fail)", "  the log of every rank: /x/training.log"]
+    executed = run_dir.resolve() / "executed" / "02_fails.ipynb"
+    assert last[4] == f"  executed notebook (run up to the failing cell): {executed}" and executed.exists()
+    assert "a line of the log tail" not in captured.err
+    assert "without encryption" not in captured.out + captured.err
+
+
+def test_require_refuses_a_file_as_run_folder_and_parse_override_an_empty_name(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"run_dir='.*notes.txt' is a file, not a run folder"):
+        series.require("06_conversion", afile)
+    with pytest.raises(series.ParameterError, match="the name before '=' is empty"):
+        series.parse_override("=5")

@@ -1,0 +1,143 @@
+"""Two guards for a training job: it stops when its launcher dies, and one job trains a run folder at a time.
+
+torch elastic starts every worker in a session of its own, so killing the launcher's process
+group (``kill -9 -PGID``, a closed laptop lid, a crashed kernel) does not reach the trainer: it
+would go on writing checkpoints and metrics into a run folder that a rerun is already using.
+
+- :func:`watch_launcher` (called first by ``helpers.training.main``) starts a thread that
+  notices when the process's parent (torchrun's agent) or the launching process named by
+  ``HELPERS_LAUNCHER_PID`` (the notebook kernel, set by :func:`helpers.launch.torchrun`) is
+  gone, and sends this process SIGTERM: the training loop then saves a checkpoint at the end of
+  the iteration and exits, as on any SIGTERM (Megatron-LM's ``--exit-signal-handler``). If it
+  has not exited ``grace_s`` seconds later (a rank stuck in a collective), it is ended with
+  ``os._exit(1)``.
+- :func:`run_folder_lock` holds an exclusive ``fcntl.flock`` on ``{run folder}/training.lock``
+  while a job trains. The lock file names the job (pid, host, start time, command); a second
+  job is refused with that name. The operating system releases the lock when the process
+  ends, however it ends, so a killed job never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Iterator
+
+LAUNCHER_PID_ENV = "HELPERS_LAUNCHER_PID"
+LOCK_NAME = "training.lock"
+
+
+class RunFolderBusyError(RuntimeError):
+    """Another job holds the run folder's training lock."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time from ``/proc/PID/stat`` (field 22), so that a reused pid is not
+    taken for the launcher; ``None`` when the process does not exist. Without ``/proc``
+    (macOS) the existence test alone is used."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        if not Path("/proc/self/stat").exists():
+            try:
+                os.kill(pid, 0)
+                return "alive"
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                return "alive"
+        return None
+    except (OSError, IndexError):
+        return None
+
+
+def watch_launcher(interval_s: float = 1.0, grace_s: float = 120.0) -> threading.Thread:
+    """Stop this process (SIGTERM, then ``os._exit(1)`` after ``grace_s`` s) once its launcher is gone.
+
+    The launcher is gone when the parent pid changes (the orphan was re-parented to init or a
+    subreaper) or when the process named by ``$HELPERS_LAUNCHER_PID`` no longer runs. Checked
+    every ``interval_s`` seconds by a daemon thread, which is returned.
+    """
+    parent = os.getppid()
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0)
+    launcher_started = _start_time(launcher) if launcher else None
+
+    def gone() -> str | None:
+        if os.getppid() != parent:
+            return f"its parent process {parent} (torchrun) ended"
+        if launcher and _start_time(launcher) != launcher_started:
+            return f"its launcher process {launcher} ended"
+        return None
+
+    def watch() -> None:
+        while (why := gone()) is None:
+            time.sleep(interval_s)
+        print(f"> stopping pid {os.getpid()}: {why}; saving a checkpoint at the end of this iteration "
+              f"(SIGTERM), ending it in {grace_s:g} s otherwise", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="watch_launcher", daemon=True)
+    thread.start()
+    return thread
+
+
+def _describe(lock_path: Path) -> str:
+    try:
+        job = json.loads(lock_path.read_text() or "{}")
+    except (OSError, json.JSONDecodeError):
+        job = {}
+    if not job:
+        return "a job that has not written its name yet"
+    return f"pid {job.get('pid')} on {job.get('host')}, started {job.get('started')}: {job.get('command')}"
+
+
+@contextlib.contextmanager
+def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True) -> Iterator[Path | None]:
+    """Hold ``{run_path}/training.lock`` for the block; ``enabled=False`` (ranks other than 0) does nothing.
+
+    Raises:
+        RunFolderBusyError: another job trains ``run_path``; the message names it (pid, host,
+            start time, command) and the fixes. Nothing in the folder is touched.
+    """
+    if not enabled:
+        yield None
+        return
+    lock_path = Path(run_path) / LOCK_NAME
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderBusyError(
+                f"{run_path} is being trained by another job ({_describe(lock_path)}). Wait for it to "
+                f"finish, stop it (kill <pid>), or train into another run folder (run_dir=...)."
+            ) from None
+        handle.truncate(0)
+        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": datetime.now().isoformat(timespec="seconds"),
+                                 "command": " ".join(sys.argv)}) + "\n")
+        handle.flush()
+        try:
+            yield lock_path
+        finally:
+            handle.truncate(0)
+
+
+def check_run_folder_free(run_path: str | os.PathLike) -> None:
+    """Raise :class:`RunFolderBusyError` now if another job trains ``run_path`` (the launcher's check
+    before it starts any process); takes and releases the lock at once."""
+    if (Path(run_path) / LOCK_NAME).exists():
+        with run_folder_lock(run_path):
+            pass

@@ -1,0 +1,87 @@
+"""Issue 13, end to end on the tiny model: a trainer whose torchrun dies stops (and saves), one
+job trains a run folder at a time, and a damaged checkpoint shard fails with the rank, the
+exception, the folder and the files to read in the last lines."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from helpers import checkpointing, launch, run_guard
+from test_training import data, tiny_config  # noqa: F401  (data is a fixture)
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_orphaned_trainer_saves_and_stops_and_frees_the_run_folder(data, tmp_path):
+    cfg = tiny_config(data, tmp_path, train_iters=100_000, eval_interval=100_000, save_interval=0, log_interval=1)
+    box = {}
+
+    def train():
+        try:
+            launch.train(cfg, progress=False, timeout_s=300, env={"OMP_NUM_THREADS": "1"})
+        except Exception as err:
+            box["err"] = err
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    log, lock = cfg.run_path / "training.log", cfg.run_path / run_guard.LOCK_NAME
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and "iteration        3/" in log.read_text()):
+        assert thread.is_alive(), box
+        time.sleep(0.2)
+    with pytest.raises(run_guard.RunFolderBusyError, match="is being trained by another job"):
+        launch.train(cfg, progress=False)  # a second job on the same folder is refused, naming the first
+    trainer = int(__import__("json").loads(lock.read_text())["pid"])
+    os.killpg(os.getpgid(_ppid(trainer)), signal.SIGKILL)  # torchrun's group; the trainer has its own session
+    start = time.monotonic()
+    while _alive(trainer) and time.monotonic() - start < 60:
+        time.sleep(0.1)
+    assert not _alive(trainer), "the trainer outlived its launcher"
+    thread.join(60)
+    assert "torchrun was ended by SIGKILL" in str(box["err"])
+    time.sleep(1)  # the launcher's reader logs the trainer's last lines as the pipe drains
+    text = log.read_text()
+    assert "(torchrun) ended" in text and "on signal 15 (checkpoint saved)" in text
+    saved = checkpointing.latest_iteration(cfg.checkpoint_path)
+    assert saved is not None and 3 <= saved < cfg.train_iters
+    run_guard.check_run_folder_free(cfg.run_path)  # free again
+
+
+def test_a_damaged_shard_names_rank_exception_and_folder(data, tmp_path):
+    first = tiny_config(data, tmp_path / "a", train_iters=4, save_interval=4, eval_interval=4)
+    launch.train(first, progress=False, env={"OMP_NUM_THREADS": "1"})
+    cfg = tiny_config(data, tmp_path / "b", train_iters=4, save_interval=4, eval_interval=4)
+    shutil.copytree(first.checkpoint_path, cfg.checkpoint_path)
+    folder = checkpointing.iteration_dir(cfg.checkpoint_path, 4)
+    shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a partly copied shard
+    before = {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")}
+    with pytest.raises(launch.LaunchError) as err:
+        launch.train(cfg, progress=False, env={"OMP_NUM_THREADS": "1"})  # no summary in b: it loads iteration 4
+    assert err.value.failed_rank == 0
+    assert err.value.headline.startswith("torchrun job failed: rank 0 exited with an error (exit code 1): "
+                                         f"CheckpointReadError: could not read the checkpoint {folder} (")
+    last = str(err.value).splitlines()[-5:]
+    assert last[0] == "rank:       rank 0 (the first to fail)"
+    assert "delete iter_0000004" in last[1]
+    assert last[2].startswith("raised at:  helpers/checkpointing.py:") and last[2].endswith("in load_checkpoint")
+    assert Path(last[3].split(": ", 1)[1]).is_file()
+    assert last[4] == f"the log of every rank: {cfg.run_path / 'training.log'}"
+    assert {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")} == before  # nothing destroyed
