@@ -6,14 +6,16 @@
 ``BlendedMegatronDatasetBuilder``) -> ``model`` (``TransformerConfig``, ``GPTModel``,
 ``attention``) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, schedule, clipping)
 -> ``training_config`` + ``training`` (the ``pretrain_gpt.py`` counterpart) -> ``checkpointing``
-(``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map).
+(``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map) -> ``evaluation``
+(bits per byte against gzip, sampling, syntax validity, pass@k).
 
 **Demonstrations** (``helpers.demos``): what one notebook uses to *show* something (timings,
 simulations, drawings, proofs); each module names its notebook and nothing above imports them.
 
 **Plumbing**: ``series`` (the papermill runner and the stage order), ``data_stage`` (notebook 01's
-cached stage), ``launch`` (torchrun from a notebook), ``metrics``, ``encoders`` (fast tokenizing),
-``results``, ``environment``, ``cpu_compat`` (megatron-core on a CPU), ``quiet``.
+cached stage), ``launch`` (torchrun from a notebook), ``run_guard`` (a job stops with its launcher;
+one job per run folder), ``metrics``, ``encoders`` (fast tokenizing), ``results``, ``environment``,
+``cpu_compat`` (megatron-core on a CPU), ``quiet``.
 
 Import modules explicitly, e.g. ``from helpers import corpus, results``. Nothing here
 imports megatron-core or torch at package import time, so ``import helpers`` is instant.
