@@ -57,7 +57,7 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers import checkpointing
+from helpers import checkpointing, results
 from helpers.environment import package_version
 from helpers.model import GELU_HF_NAME, ModelConfig
 
@@ -122,6 +122,17 @@ def _template(key: str) -> tuple[str, int | None]:
     return (f"{m[1]}.{{}}.{m[3]}", int(m[2])) if m else (key, None)
 
 
+def _weight_template(name: str) -> str:
+    """The :data:`WEIGHT_MAP` key of a megatron-core weight name (a template or one layer's name).
+
+    Raises:
+        ConversionError: no such weight; the message lists the templates.
+    """
+    if (template := _template(name)[0]) in WEIGHT_MAP:
+        return template
+    raise ConversionError(f"{name!r} is no megatron-core GPT weight: pass one of the WEIGHT_MAP keys {list(WEIGHT_MAP)}")
+
+
 # =========================================================================== the QKV permutation
 def qkv_row_permutation(num_heads: int, head_dim: int) -> torch.Tensor:
     """Row order that turns megatron-core's per-head QKV rows into GPT-2's q | k | v order.
@@ -153,7 +164,7 @@ def tensor_to_hf(template: str, tensor: torch.Tensor, num_heads: int, vocab_size
     """One megatron-core weight as GPT-2 holds it: QKV rows regrouped, vocabulary trimmed, Conv1D transpose.
 
     Args:
-        template: its :data:`WEIGHT_MAP` key (``decoder.layers.{}....``).
+        template: its :data:`WEIGHT_MAP` key (``decoder.layers.{}....``), or one layer's name of it.
         tensor: megatron-core layout, e.g. ``linear_qkv.weight`` ``[3h, h]``, ``linear_fc1.weight`` ``[4h, h]``.
         num_heads: attention heads (not inferable from shapes).
         vocab_size: rows to keep of a :data:`VOCAB_ROWS` tensor (the tokenizer's size); None keeps all.
@@ -162,8 +173,10 @@ def tensor_to_hf(template: str, tensor: torch.Tensor, num_heads: int, vocab_size
         A new contiguous tensor, same dtype (``c_attn.weight`` ``[h, 3h]``, ``c_fc.weight`` ``[h, 4h]``...).
 
     Raises:
-        ConversionError: QKV shapes of grouped-query attention, or heads not dividing h.
+        ConversionError: QKV shapes of grouped-query attention, or heads not dividing h; a
+            ``template`` that names no weight of the map (the message lists the templates).
     """
+    template = _weight_template(template)
     if template in QKV_PERMUTED:
         tensor = tensor[_qkv_permutation_of(tensor, num_heads, template)]
     if template in VOCAB_ROWS and vocab_size is not None:
@@ -180,8 +193,9 @@ def tensor_to_megatron(template: str, tensor: torch.Tensor, num_heads: int,
     A :data:`VOCAB_ROWS` tensor gets ``padded_vocab_size`` rows (:func:`_resize_vocab_rows`).
 
     Raises:
-        ConversionError: ``c_attn`` not ``[h, 3h]``, or heads not dividing h.
+        ConversionError: ``c_attn`` not ``[h, 3h]``, or heads not dividing h; an unknown ``template``.
     """
+    template = _weight_template(template)
     if template in TRANSPOSED:
         tensor = tensor.t()
     if template in QKV_PERMUTED:
@@ -626,10 +640,11 @@ def _prepare_output(output_dir: Path, overwrite: bool) -> None:
 
 
 def _publish(tmp: Path, output_dir: Path) -> None:
-    """Move a finished temporary folder into place; an old folder is removed only then."""
+    """Move a finished temporary folder into place, readable as ``mkdir`` would make it (mkdtemp's
+    is 0700, safetensors' file 0600); an old folder is removed only then."""
     if output_dir.exists():
         shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
+    os.replace(results.default_modes(tmp), output_dir)
 
 
 def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: str | os.PathLike, *,

@@ -130,14 +130,15 @@ def check_split(sequence_lengths: np.ndarray | int, split: str, *, parameter: st
 
     Raises:
         ValueError: a split with a positive weight gets no documents (or no tokens); the
-            message names the split, the document count, and the fixes.
+            message names the split, the document count, and the fixes; the errors of
+            :func:`split_document_ranges` (weights megatron-core would misread: ``nan``, ``1e2``).
     """
     if isinstance(sequence_lengths, (int, np.integer)):
         if sequence_lengths < 0:
             raise ValueError(f"num_documents={sequence_lengths} must be >= 0")
         sequence_lengths = np.ones(int(sequence_lengths), dtype=np.int64)
     n = len(sequence_lengths)
-    ranges = split_document_ranges(n, split)
+    ranges = split_document_ranges(n, split, parameter=parameter)
     for name, rng in zip(SPLIT_NAMES, ranges):
         if rng is None:
             continue

@@ -85,7 +85,6 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     master_port: int,
     module: bool = True,
-    log_dir: str | os.PathLike | None = None,
 ) -> list[str]:
     """The ``torchrun`` command line (as run through ``python -m torch.distributed.run``).
 
@@ -95,8 +94,6 @@ def torchrun_command(
         nproc_per_node: processes (ranks) on this node; one per GPU on a GPU machine.
         nnodes, node_rank, master_addr, master_port: the static rendezvous of a multi-node job
             (torchrun's ``--nnodes/--node-rank/--master-addr/--master-port``).
-        log_dir: torchrun's ``--log-dir``: each failing rank that runs under torch elastic's
-            ``@record`` writes ``{log_dir}/{run id}/attempt_0/{local rank}/error.json`` there.
     """
     if isinstance(target, str):
         target = [target]
@@ -108,8 +105,6 @@ def torchrun_command(
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
     ]
-    if log_dir is not None:
-        cmd.append(f"--log-dir={log_dir}")
     if module:
         cmd.append("-m")
     return cmd + list(target)
@@ -191,8 +186,8 @@ def torchrun(
         log_path: where to also write the full log (appended).
         on_line: called with each output line (``print`` by default, ``None`` for silence).
         cwd: working directory of the job (default: the current one).
-        log_dir: torchrun's ``--log-dir`` for the ranks' error files (default: a temporary
-            folder, removed after a success).
+        log_dir: torchrun's ``--log-dir`` (set as ``PET_LOG_DIR``) for the ranks' error files
+            (default: a temporary folder, removed after a success).
 
     The job's processes get ``HELPERS_LAUNCHER_PID`` (this process): ``helpers.training`` stops
     when this process dies (:func:`helpers.run_guard.watch_launcher`).
@@ -227,8 +222,10 @@ def torchrun(
     made_log_dir = log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="torchrun-") if log_dir is None else log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module,
-                           log_dir=log_dir)
+    # torchrun's --log-dir, given as its PET_LOG_DIR variable so the command stays the one a
+    # cluster runs: a failing rank under @record writes {log_dir}/{run id}/attempt_0/{rank}/error.json
+    full_env["PET_LOG_DIR"] = str(log_dir)
+    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=master_port, module=module)
     tail: deque[str] = deque(maxlen=40)
     lines: list[str] = []
     stop = threading.Event()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +198,7 @@ def tokenize_to_indexed_dataset(
 
 
 # --------------------------------------------------------------------------- reading back
-def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int] | None]:
+def split_document_ranges(num_documents: int, split: str, *, parameter: str = "split") -> list[tuple[int, int] | None]:
     """Document ranges ``[begin, end)`` of train/valid/test, computed as megatron-core does.
 
     Same arithmetic as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
@@ -205,9 +206,12 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
     (``convert_split_vector_to_split_matrix``), and each end is ``round(bookend * N)``.
     A split with weight 0 is ``None`` (megatron builds no dataset for it).
 
+    ``parameter`` is the name the caller knows ``split`` by; the errors name it.
+
     Raises:
-        ValueError: ``split`` is not 1-3 non-negative numbers with a positive sum, or
-            ``num_documents < 1``.
+        ValueError: ``split`` is not 1-3 non-negative plain decimal numbers with a positive
+            sum (megatron-core keeps only the digits and dots of each weight, so ``nan,1,1``
+            would read as ``1,1`` and ``1e2,1`` as ``1,2,1``), or ``num_documents < 1``.
     """
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
@@ -217,12 +221,13 @@ def split_document_ranges(num_documents: int, split: str) -> list[tuple[int, int
     if num_documents < 1:
         raise ValueError(f"num_documents={num_documents}: the dataset holds no documents")
     parts = [p for p in str(split).replace(" ", "").split(",") if p != ""]
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"split={split!r}: write 1-3 comma-separated weights, e.g. '969,30,1'") from None
+    odd = [p for p in parts if not re.fullmatch(r"-?(?:[0-9]+\.?[0-9]*|\.[0-9]+)", p)]
+    if odd:
+        raise ValueError(f"{parameter}={split!r}: the weights {odd} are not plain decimal numbers; megatron-core reads "
+                         "only their digits and dots ('nan,1,1' as '1,1', '1e2,1' as '1,2,1'): write e.g. '969,30,1'")
+    weights = [float(p) for p in parts]
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split={split!r}: write 1-3 non-negative weights with a positive sum, e.g. '969,30,1'")
+        raise ValueError(f"{parameter}={split!r}: write 1-3 non-negative weights with a positive sum, e.g. '969,30,1'")
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     return [None if b is None else (int(round(b[0] * num_documents)), int(round(b[1] * num_documents)))
             for b in matrix]

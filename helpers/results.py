@@ -95,10 +95,31 @@ def mkstemp_readable(folder: str | os.PathLike, prefix: str, suffix: str = "") -
         ``(fd, path)`` as ``tempfile.mkstemp``.
     """
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, tmp
+
+
+def default_modes(folder: str | os.PathLike) -> Path:
+    """Give ``folder`` and everything in it the modes ``mkdir`` and ``open()`` give: 0777 / 0666 minus the umask.
+
+    For a folder built under a temporary name and moved into place whole: ``tempfile.mkdtemp``
+    makes it 0700 and safetensors 0.8 writes ``model.safetensors`` as 0600, so other users, a web
+    server or a container of another uid could not read the result. Files lose any execute bit.
+
+    Returns:
+        ``folder`` as a :class:`~pathlib.Path`.
+    """
+    folder, umask = Path(folder), _umask()
+    for path in [*folder.rglob("*"), folder]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    return folder
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    return fd, tmp
+    return umask
 
 
 def _figure_path(run_dir: str | os.PathLike, name: str) -> Path:
@@ -125,7 +146,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]] | Iterable[Sequence[Any]],
         digits: significant digits of float cells (``0.000123`` -> ``0.000123``, ``1234.5`` -> ``1234``).
 
     Raises:
-        ValueError: no rows and no headers, or sequences without ``headers``.
+        ValueError: no rows and no headers, or sequences without ``headers``; a row with more or
+            fewer cells than headers (the message names the row and both lengths).
     """
     rows = list(rows)
     if headers is None:
@@ -134,6 +156,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]] | Iterable[Sequence[Any]],
         headers = list(rows[0])
     if rows and isinstance(rows[0], Mapping):
         rows = [[r.get(h, "") for h in headers] for r in rows]
+    for i, row in enumerate(rows):
+        if len(row) != len(headers):
+            raise ValueError(f"markdown_table: row {i} has {len(row)} cells but there are {len(headers)} headers "
+                             f"{list(headers)}: give every row one cell per header (row {i} is {list(row)!r})")
 
     def cell(v: Any) -> str:
         if isinstance(v, float) and not isinstance(v, bool):

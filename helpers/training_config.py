@@ -16,6 +16,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from helpers.model import ModelConfig
 
 SUMMARY_FILE = "training_summary.json"
 METRICS_FILE = "metrics.jsonl"
+#: What :meth:`TrainingConfig.check` accepts for a field declared so (a bool is no number here).
+_FIELD_TYPES = {"int": (Integral,), "int | None": (Integral, type(None)), "float": (Real,), "bool": (bool,)}
 
 
 # =========================================================================== configuration
@@ -179,6 +182,8 @@ class TrainingConfig:
         """Validate the config for ``world_size`` processes before anything starts.
 
         Raises:
+            TypeError: a field of another type than declared (``train_iters=2.5``,
+                ``micro_batch_size="4"``, ``True`` for a number), in this config or its ``model``.
             ValueError: non-positive sizes, a global batch not divisible by micro-batch x
                 data-parallel size, TP not dividing the heads / hidden size / MLP width or PP
                 not dividing the layers (:func:`helpers.model.check_layout`), warmup not shorter than decay, unknown precision or
@@ -192,6 +197,9 @@ class TrainingConfig:
         for obj, prefix in ((self, ""), (self.model, "model.")):
             for f in fields(obj):
                 value = getattr(obj, f.name)
+                kinds = _FIELD_TYPES.get(str(f.type), object)
+                if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                    raise TypeError(f"{prefix}{f.name}={value!r} is a {type(value).__name__}, not {f.type} (e.g. {f.default!r})")
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ValueError(f"{prefix}{f.name}={value} is not a finite number: training would run on NaN")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
@@ -327,14 +335,22 @@ def check_resume_schedule(cfg: TrainingConfig, saved: dict[str, Any]) -> dict[st
 
     Raises:
         ValueError: the schedules differ and neither flag says which one to follow; the
-            message lists the differences and both options.
+            message lists the differences and both options. Or
+            ``use_checkpoint_opt_param_scheduler`` with a saved schedule that lacks some of
+            :meth:`TrainingConfig.lr_schedule_settings`' keys (named): it cannot be rebuilt.
     """
     old = saved.get("lr_schedule")
     new = cfg.lr_schedule_settings()
-    if not old or old == new:
+    if not old or all(old.get(k) == v for k, v in new.items()):
         return None
+    missing = [k for k in new if k not in old]
+    if cfg.use_checkpoint_opt_param_scheduler and missing:
+        raise ValueError(f"use_checkpoint_opt_param_scheduler=True, but the checkpoint's lr_schedule records no "
+                         f"{missing} (only {sorted(old)}): the saved schedule cannot be rebuilt. Set "
+                         "override_opt_param_scheduler=True (this run's schedule) or train into a new run folder. "
+                         "Nothing was loaded or changed.")
     if cfg.use_checkpoint_opt_param_scheduler:
-        return old
+        return {k: old[k] for k in new}
     if cfg.override_opt_param_scheduler:
         return None
     diffs = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 
@@ -157,6 +158,20 @@ def test_qkv_permutation_puts_each_heads_rows_where_gpt2_reads_them():
         conversion.tensor_to_hf(QKV_W, torch.randn(2 * h, h), heads)
 
 
+
+def test_a_name_outside_the_weight_map_is_refused_and_a_layers_name_is_converted():
+    """tensor_to_hf / tensor_to_megatron returned an unknown name's tensor unchanged, and a layer's
+    own name ('decoder.layers.0...linear_qkv.weight') too: no permutation, no transpose."""
+    weight = torch.randn(36, 12)
+    for fn in (conversion.tensor_to_hf, conversion.tensor_to_megatron):
+        for name in ("decoder.layers.{}.mlp.linear_fc3.weight", "transformer.h.{}.attn.c_attn.weight"):
+            with pytest.raises(conversion.ConversionError, match=rf"^'{re.escape(name)}' is no megatron-core GPT "
+                                                                 r"weight: pass one of the WEIGHT_MAP keys \['embedding\."):
+                fn(name, weight, 3)
+    assert torch.equal(conversion.tensor_to_hf(QKV_W.format(0), weight, 3), conversion.tensor_to_hf(QKV_W, weight, 3))
+    assert conversion.tensor_to_hf(QKV_W.format(0), weight, 3).shape == (12, 36)
+
+
 # --------------------------------------------------------------------------- exact logits
 @pytest.mark.parametrize("overrides", [
     dict(),  # tied, erf GELU, 3 heads, vocab 300 -> 384 rows
@@ -261,6 +276,21 @@ def test_existing_output_is_kept_unless_overwrite(plain_checkpoint, hf_folder):
     result = conversion.convert_to_hf(path, out, overwrite=True)
     assert result.output_dir == out and not (out / "marker.txt").exists()
     assert (out / "model.safetensors").read_bytes() == before
+
+
+
+def test_the_converted_folder_has_mkdirs_mode_not_mkdtemps(plain_checkpoint, tmp_path):
+    """The folder was mkdtemp's 0700 after the move: no other user, web server or container uid could read it."""
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        out = conversion.convert_to_hf(plain_checkpoint[0], tmp_path / "hf_model").output_dir
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_model"]  # no temporary folder left
 
 
 def test_round_trip_hf_megatron_hf_is_bit_identical(hf_folder, tmp_path):

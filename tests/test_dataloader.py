@@ -156,3 +156,16 @@ def test_check_split_takes_a_document_count_and_names_the_empty_part():
 def test_check_split_names_the_callers_parameter():
     with pytest.raises(ValueError, match=r"^blend_split='90,9,1' gives the valid split 0 of 3 documents .range \[3, 3\)"):
         dataloader.check_split(3, "90,9,1", parameter="blend_split")
+
+
+
+
+@pytest.mark.parametrize("split, odd", [("nan,1,1", "nan"), ("inf,1,1", "inf"), ("1e400,1,1", "1e400"),
+                                        ("1e2,1", "1e2"), ("1, -inf", "-inf")])
+def test_split_weights_megatron_would_misread_are_refused(split, odd):
+    """megatron-core keeps only the digits and dots of --split: 'nan,1,1' and 'inf,1,1' gave
+    [(0, 50), (50, 100), None] for 100 documents without a word, '1e2,1' three weights (1, 2, 1)
+    and '1e400,1,1' a bare AssertionError."""
+    with pytest.raises(ValueError, match=rf"^blend_split={split!r}: the weights \['{odd}'\] are not plain decimal"):
+        dataloader.check_split(100, split, parameter="blend_split")
+    assert dataloader.check_split(100, "9.5, .5") == [(0, 95), (95, 100), None]

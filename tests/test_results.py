@@ -1,6 +1,7 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,3 +77,30 @@ def test_markdown_table_from_dicts_and_from_rows_with_headers():
     assert text.splitlines()[2] == "| gelu | 0.0001235 | 123457 | a\\|b |"
     with pytest.raises(ValueError, match="headers="):
         results.markdown_table([[1, 2]])
+
+
+
+def test_markdown_table_refuses_a_row_of_another_length():
+    """A short row gave '| 1 | 2 |' under three headers, a long one four cells: a broken table, no error."""
+    with pytest.raises(ValueError, match=r"row 1 has 2 cells but there are 3 headers \['a', 'b', 'c'\]"):
+        results.markdown_table([[1, 2, 3], [4, 5]], ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"row 0 has 4 cells but there are 3 headers"):
+        results.markdown_table([(1, 2, 3, 4)], ["a", "b", "c"])
+    assert results.markdown_table([{"a": 1}, {"a": 2, "b": 3}]).splitlines()[3] == "| 2 |"  # dict rows: the headers' keys
+
+
+def test_default_modes_gives_a_temporary_folder_mkdirs_and_opens_modes(tmp_path):
+    """mkdtemp's 0700 folder and safetensors' 0600 file stayed so after the move into place."""
+    import stat
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    (folder / "sub").mkdir(mode=0o700)
+    (folder / "sub" / "w.safetensors").touch(mode=0o600)
+    old = os.umask(0o022)
+    try:
+        assert results.default_modes(folder) == folder
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [folder, *folder.rglob("*")]}
+    assert modes == {folder.name: 0o755, "sub": 0o755, "w.safetensors": 0o644}
