@@ -13,7 +13,7 @@ HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 
 #: Plumbing: what runs the series and keeps megatron-core working on a CPU; a learner need not read it.
 PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics",
-            "run_guard"}
+            "run_guard", "report"}
 MAX_MODULE_LINES = 420
 MAX_LEARNER_LINES = 2700  # issue 12: "about 2,000"; 2,214 when it closed, 2,289 with issue 13's checks; issue 16 adds evaluation (259)
 
