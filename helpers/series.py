@@ -37,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from helpers import results
+from helpers import report, results
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -366,6 +366,7 @@ def run(
         selected = sorted(selected + [p for p in notebooks() if p.stem in before])
     params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
     results.run_path(folder)
+    report.record_start(folder, profile=profile, overrides=overrides, notebooks=[p.stem for p in notebooks()])
     latest = RUNS_DIR / "latest"
     if folder.parent.resolve() == RUNS_DIR.resolve() and (only is None or not (latest.is_symlink() or latest.exists())):
         _point_latest(folder)  # a partial run (--only) does not take runs/latest from a complete one
@@ -386,6 +387,7 @@ def run(
                     execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
                 )
             except papermill.PapermillExecutionError as err:
+                _report_card(report.write, folder)  # what the run has so far; "finished: never"
                 raise NotebookError(_failure_text(path.stem, err, output)) from None
         wall = time.perf_counter() - start
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
@@ -396,7 +398,19 @@ def run(
     print(f"  executed notebooks: {executed}")
     print(f"  figures:            {folder / 'figures'}")
     print(f"  results:            {folder / results.SUMMARY_FILE}")
+    print(f"  report card:        {_report_card(report.finish, folder)}")
     return done
+
+
+def _report_card(write, folder: Path) -> Path | str:
+    """Write the report card; a failure to write it is printed, never raised (the run's own
+    results stand): ``python -m helpers.report FOLDER`` writes it again."""
+    try:
+        return write(folder)
+    except Exception as err:  # noqa: BLE001 - the report must not fail a finished run
+        print(f"report card not written ({type(err).__name__}: {err}); once fixed, run "
+              f"python -m helpers.report {folder}", flush=True)
+        return "not written"
 
 
 def _ipc_kernel_manager(folder: Path):
