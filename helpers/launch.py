@@ -406,7 +406,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
                     bar.set_postfix(loss=float(info["loss"]))
         if echo or (bar is None and stripped):
             print(line, flush=True)
-        elif stripped.startswith((">", "validation", "saved", "exiting")):
+        elif stripped.startswith((">", "validation", "saved", "exiting", "sample")):
             (bar.write if bar is not None else print)(stripped)
 
     try:

@@ -67,7 +67,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "03_training": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
                         "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12, "lr_warmup_iters": 2,
                         "log_interval": 2, "eval_interval": 6, "eval_iters": 2, "save_interval": 6,
-                        "sample_tokens": 8, "timeout_s": 300},
+                        "sample_tokens": 8, "sample_interval": 6, "timeout_s": 300},
         "04_fused_kernels": {"micro_batch_size": 2, "num_threads": 1, "warmup": 1, "repeats": 5, "copy_mib": 32,
                              "matmul_n": 256, "adamw_check_steps": 3, "adamw_repeats": 5,
                              "step_micro_batch_size": 1, "step_repeats": 3},

@@ -60,6 +60,7 @@ from helpers.distributed import destroy_distributed, initialize_distributed
 from helpers.environment import package_version
 from helpers.optimizer import ADAMW_CALLS, build_optimizer, build_scheduler, grad_norm_and_clip
 from helpers.metrics import MetricsLogger, read_metrics
+from helpers.tokenizer import load_tokenizer
 from helpers.training_config import TrainingConfig, check_resume_schedule, num_microbatches, resolve_precision
 
 
@@ -375,6 +376,32 @@ def load(trainer: Trainer) -> int:
     return trainer.iteration
 
 
+def sample_text(trainer: Trainer, tokenizer) -> str | None:
+    """``cfg.sample_prompt`` continued by ``cfg.sample_tokens`` tokens drawn from the model in training.
+
+    Temperature 0.8 and top-k 50 (``helpers.evaluation.sample``, as nanoGPT's ``sample.py``),
+    from a generator seeded with ``cfg.seed + iteration``: the training RNG is not touched, so
+    the losses are the same with or without samples, and a resumed run prints the same ones.
+    ``None`` when the model is split over ranks (TP or PP > 1).
+    """
+    from helpers import evaluation
+
+    cfg, gpt, dev = trainer.cfg, trainer.bare_model, trainer.device
+    if trainer.dist_info["tp"] > 1 or trainer.dist_info["pp"] > 1:
+        return None
+    generator = torch.Generator(device=dev).manual_seed(cfg.seed + trainer.iteration)
+    gpt.eval()
+    try:
+        with torch.no_grad():
+            ids = evaluation.sample(lambda t: gpt(t.to(dev), torch.arange(t.shape[1], device=dev).expand(t.shape), None),
+                                    tokenizer.encode(cfg.sample_prompt), cfg.sample_tokens, temperature=0.8, top_k=50,
+                                    generator=generator, eod_id=tokenizer.eos_token_id, seq_length=cfg.model.seq_length,
+                                    vocab_size=len(tokenizer))
+    finally:
+        gpt.train()
+    return cfg.sample_prompt + tokenizer.decode(ids)
+
+
 # =========================================================================== the loop
 class _ExitSignal:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint at the end of the iteration and
@@ -428,7 +455,7 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
     say(f"> {'resumed from checkpoint at iteration ' + str(start) if loaded else 'starting from scratch'}; "
         f"set-up {time.perf_counter() - t_setup:.1f} s")
     tokens_per_iter = cfg.global_batch_size * cfg.model.seq_length
-    last_train, last_valid, tok_rates = None, None, []
+    last_train, last_valid, tok_rates, tokenizer = None, None, [], None
     if start == 0 and cfg.eval_interval:
         last_valid = evaluate(trainer)
         if last_valid is not None:
@@ -464,6 +491,13 @@ def pretrain(cfg: TrainingConfig) -> dict[str, Any]:
                 ppl = math.exp(min(last_valid, 50))
                 logger.log({"kind": "valid", "iteration": it, "lm_loss": last_valid, "ppl": ppl},
                            f" validation loss at iteration {it} | lm loss: {last_valid:.6E} | lm loss PPL: {ppl:.3f}")
+            interval_start += time.perf_counter() - t0
+        if cfg.sample_interval and it % cfg.sample_interval == 0 and is_logger:
+            t0 = time.perf_counter()
+            tokenizer = tokenizer or load_tokenizer(cfg.tokenizer_path)
+            text = sample_text(trainer, tokenizer)
+            if text is not None:
+                logger.log({"kind": "sample", "iteration": it, "text": text}, f" sample at iteration {it}: {text!r}")
             interval_start += time.perf_counter() - t0
         exit_now = _should_exit(exit_flag)
         if (cfg.save_interval and it % cfg.save_interval == 0) or it == cfg.train_iters or exit_now:

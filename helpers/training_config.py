@@ -44,7 +44,9 @@ class TrainingConfig:
     ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``: Megatron-LM's
     flags for a resume whose learning-rate schedule (:meth:`lr_schedule_settings`) differs from
     the checkpoint's: follow this config's schedule, or the saved one. With neither, such a
-    resume is refused (:func:`check_resume_schedule`).
+    resume is refused (:func:`check_resume_schedule`). Every ``sample_interval`` iterations (0:
+    never) the loop prints ``sample_prompt`` continued by ``sample_tokens`` sampled tokens, as
+    nanoGPT and nanochat do (:func:`helpers.training.sample_text`).
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -73,6 +75,9 @@ class TrainingConfig:
     eval_iters: int = 4
     save_interval: int | None = 100
     exit_interval: int | None = None
+    sample_interval: int = 0
+    sample_prompt: str = "def "
+    sample_tokens: int = 48
     checkpoint_dir: str | None = None
     tensorboard_dir: str | None = None
     metrics_path: str | None = None
@@ -210,7 +215,9 @@ class TrainingConfig:
                  "adam_beta2": (0 <= self.adam_beta2 < 1, "must be in [0, 1) (the guide: 0.999)"),
                  "adam_eps": (self.adam_eps > 0, "must be positive (the guide: 1e-8)"),
                  "weight_decay": (self.weight_decay >= 0, "must be >= 0 (0 turns it off)"),
-                 "clip_grad": (self.clip_grad >= 0, "must be >= 0 (0 turns it off)")}
+                 "clip_grad": (self.clip_grad >= 0, "must be >= 0 (0 turns it off)"),
+                 "sample_interval": (self.sample_interval >= 0, "must be >= 0 (0: no samples during training)"),
+                 "sample_tokens": (self.sample_tokens >= 1 or not self.sample_interval, "must be >= 1 to sample")}
         for name, (ok, rule) in rules.items():
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} {rule}")

@@ -293,6 +293,7 @@ def test_03_results_in_the_smoke_series(series_run):
     assert Path(s["checkpoint_path"]).is_dir() and (Path(s["checkpoint_path"]) / "model_config.json").exists()
     assert (Path(run_dir) / "figures" / "03_loss_and_lr.png").stat().st_size > 10_000
     assert isinstance(s["greedy_sample"], str) and s["greedy_sample"].startswith("import os")
+    assert s["training_samples"] == 2  # sample_interval=6 in the smoke profile: iterations 6 and 12
     # Section 5's loop in cells and the torchrun script: the same losses, bit for bit (1 process, fp32).
     assert s["cells_vs_script_loss_difference"] == 0.0
     assert s["cells_vs_script_grad_norm_difference"] == 0.0
@@ -341,3 +342,19 @@ def test_a_resume_with_another_lr_schedule_is_refused_unless_told_which_to_follo
                                                  saved) == old.lr_schedule_settings()
     with pytest.raises(ValueError, match="choose one"):
         replace(longer, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True).check()
+
+
+def test_samples_during_training_leave_the_losses_unchanged(uninterrupted, data, tmp_path):
+    """Issue 16: a sample every sample_interval iterations (temperature 0.8, top-k 50, its own
+    seeded generator), as nanoGPT prints them; the training RNG is untouched, so every loss
+    equals the run without samples, bit for bit."""
+    ref_cfg, _ = uninterrupted
+    cfg = tiny_config(data, tmp_path, sample_interval=6, sample_tokens=12)
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
+    samples = result.metrics["sample"]
+    assert [r["iteration"] for r in samples] == [6, 12]
+    assert all(r["text"].startswith("def ") and len(r["text"]) > len("def ") for r in samples)
+    assert any(line.startswith(" sample at iteration 6: 'def ") for line in result.log)
+    assert _train_losses(cfg) == _train_losses(ref_cfg)
+    with pytest.raises(ValueError, match="sample_interval=-1 must be >= 0"):
+        replace(cfg, sample_interval=-1).check()
