@@ -249,6 +249,14 @@ def sample(logits_fn: LogitsFn, prompt_ids: Sequence[int], max_new_tokens: int, 
     return new
 
 
+def distinct_n(ids: Sequence[int], n: int = 1) -> float:
+    """Share of distinct n-grams among the n-grams of ``ids`` (distinct-n: Li et al. 2016, "A
+    Diversity-Promoting Objective Function for Neural Conversation Models"): 1.0 when no n-gram
+    repeats, near 0 for a text that loops on itself; 0.0 with fewer than ``n`` tokens."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
 # ---------------------------------------------------------------- syntax
 
 def parses(prompt: str, completion: str) -> bool:

@@ -246,3 +246,10 @@ def test_score_texts_agrees_with_transformers_own_loss(tok):
         expected = float(hf(stream, labels=stream).loss)
     result = ev.score_texts(lambda t: hf(t).logits, tok, [TEXT], seq_length=64)
     assert result.tokens == stream.shape[1] - 1 and result.nats_per_token == pytest.approx(expected, rel=1e-5)
+
+
+def test_distinct_n_counts_repeated_ngrams():
+    assert ev.distinct_n([5, 5, 5, 5]) == 0.25
+    assert ev.distinct_n([1, 2, 3, 4]) == 1.0
+    assert ev.distinct_n([1, 2, 1, 2, 1], n=2) == 0.5  # (1,2) (2,1) (1,2) (2,1)
+    assert ev.distinct_n([7], n=2) == 0.0
