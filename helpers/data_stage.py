@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,11 @@ from helpers.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NA
 #: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
 DEFAULT_SETTINGS: dict[str, Any] = {
     "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
-    "split": "969,30,1", "seed": 1234,
+    "split": "969,30,1", "seed": 1234, "more_filtering": False,
 }
+
+#: What a manifest written before a setting existed was made with.
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"more_filtering": False}
 
 
 def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
@@ -37,6 +41,19 @@ def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, data_dir / MANIFEST_NAME)
 
 
+def _corpus_record(result: corpus_mod.CorpusResult) -> dict[str, Any]:
+    """The manifest's ``corpus`` section: counts, removed paths by filter, near-duplicate pairs, and
+    the characters per token of the files the later filters removed (the kept ones summarized)."""
+    removed_later = {p for name in corpus_mod.MORE_FILTERS for p in result.removed_paths[name]}
+    kept = sorted(r for p, r in result.char_token_ratios.items() if p not in removed_later)
+    return {"source": result.source, "num_read": result.num_read, "removed": result.removed,
+            "num_documents": len(result.documents), "num_bytes": result.num_bytes,
+            "removed_files": result.removed_paths, "near_duplicate_of": result.near_duplicate_of,
+            "char_token_ratio": {p: round(r, 3) for p, r in result.char_token_ratios.items() if p in removed_later},
+            "char_token_ratio_kept": {"min": round(kept[0], 3), "median": round(statistics.median(kept), 3),
+                                      "max": round(kept[-1], 3)} if kept else None}
+
+
 def build_data(
     run_dir: str | os.PathLike,
     *,
@@ -45,6 +62,7 @@ def build_data(
     max_files: int | None = None,
     vocab_size: int | None = None,
     split: str | None = None,
+    more_filtering: bool | None = None,
     num_workers: int = 2,
     seed: int | None = None,
     progress: bool = True,
@@ -61,14 +79,16 @@ def build_data(
 
     A setting left ``None`` means "what this run folder was made with", or the default of
     :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
-    vocab 8192, split ``969,30,1``, seed 1234). Later notebooks do not call this: they call
+    vocab 8192, split ``969,30,1``, seed 1234, the guide's filters only: notebook 01 passes
+    ``more_filtering=True``, its parameter's default). Later notebooks do not call this: they call
     ``helpers.series.require`` (which runs notebook 01 when its files are missing) and then
     :func:`data_paths`.
 
     Args:
         run_dir: the run folder.
-        source, text_key, max_files, seed: see :func:`helpers.corpus.collect_corpus`.
-        vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`.
+        source, text_key, max_files, seed, more_filtering: see :func:`helpers.corpus.collect_corpus`.
+        vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`; with
+            ``more_filtering`` also the size of the BPE that measures characters per token.
         split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
             the train part only.
         num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
@@ -102,13 +122,14 @@ def build_data(
     jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
     requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
                  "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
-                 "split": split, "seed": seed}
+                 "split": split, "seed": seed, "more_filtering": more_filtering}
     manifest = data_manifest(run_dir) if (data_dir / MANIFEST_NAME).is_file() else None  # a damaged one: ValueError
     if manifest is not None:
         for name, value in requested.items():
-            if value is not None and manifest["settings"].get(name) != value:
+            made = manifest["settings"].get(name, SETTINGS_BEFORE_THEY_EXISTED.get(name))
+            if value is not None and made != value:
                 raise ValueError(
-                    f"{data_dir} was made with {name}={manifest['settings'].get(name)!r}, not {value!r}. "
+                    f"{data_dir} was made with {name}={made!r}, not {value!r}. "
                     f"Nothing was changed. Use a new run folder for other data settings, or delete {data_dir}."
                 )
         settings = dict(manifest["settings"])
@@ -118,11 +139,12 @@ def build_data(
     built: list[str] = []
 
     if not jsonl.is_file():
+        more = settings.get("more_filtering", SETTINGS_BEFORE_THEY_EXISTED["more_filtering"])
         result = corpus_mod.collect_corpus(settings["source"], text_key=settings["text_key"],
-                                           max_files=settings["max_files"], seed=settings["seed"])
+                                           max_files=settings["max_files"], seed=settings["seed"],
+                                           more_filtering=more, vocab_size=settings["vocab_size"])
         corpus_mod.write_jsonl(result.documents, jsonl)
-        manifest["corpus"] = {"source": result.source, "num_read": result.num_read, "removed": result.removed,
-                              "num_documents": len(result.documents), "num_bytes": result.num_bytes}
+        manifest["corpus"] = _corpus_record(result)
         _write_manifest(data_dir, manifest)
         built.append("corpus")
     if not (data_dir / MANIFEST_NAME).is_file():

@@ -15,7 +15,7 @@ HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics",
             "run_guard", "report"}
 MAX_MODULE_LINES = 420
-MAX_LEARNER_LINES = 2700  # issue 12: "about 2,000"; 2,214 when it closed, 2,289 with issue 13's checks; issue 16 adds evaluation (259)
+MAX_LEARNER_LINES = 2800  # issue 12: "about 2,000"; 2,214 when it closed, 2,289 with issue 13's checks; issue 16 adds evaluation (259), corpus CodeParrot's later filters and MinHash (100)
 
 
 def modules() -> dict[str, Path]:
