@@ -75,6 +75,9 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
                            "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 3, "timeout_s": 300,
                            "run_pp_own_init": False},
         "06_conversion": {"max_new_tokens": 8, "continue_iters": 2},
+        "07_evaluation": {"valid_max_documents": 4, "valid_max_chars": 1500, "heldout_max_files": 2, "heldout_max_chars": 1500,
+                          "num_samples": 2, "max_new_tokens": 16, "num_candidates": 2, "pass_k": 2, "candidate_tokens": 16,
+                          "check_timeout_s": 1.0},
     },
 }
 
@@ -82,6 +85,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
 PRODUCES: dict[str, tuple[str, ...]] = {
     "01_data_preprocessing": ("data/data_manifest.json",),
     "03_training": ("checkpoints/latest_checkpointed_iteration.txt", "training_summary.json"),
+    "06_conversion": ("hf_model/config.json",),
 }
 
 #: The notebooks whose files each notebook reads (direct needs; :func:`stages_needed` follows them).
@@ -90,6 +94,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "03_training": ("01_data_preprocessing",),
     "05_parallelism": ("01_data_preprocessing",),
     "06_conversion": ("01_data_preprocessing", "03_training"),
+    "07_evaluation": ("01_data_preprocessing", "03_training", "06_conversion"),
 }
 
 #: Per-cell timeout (seconds) for papermill, by profile.

@@ -379,7 +379,8 @@ def load(trainer: Trainer) -> int:
 def sample_text(trainer: Trainer, tokenizer) -> str | None:
     """``cfg.sample_prompt`` continued by ``cfg.sample_tokens`` tokens drawn from the model in training.
 
-    Temperature 0.8 and top-k 50 (``helpers.evaluation.sample``, as nanoGPT's ``sample.py``),
+    Temperature 0.8 and top-k 50 (``helpers.evaluation.sample``, nanoGPT's ``sample.py`` loop; its
+    defaults are 0.8 and 200),
     from a generator seeded with ``cfg.seed + iteration``: the training RNG is not touched, so
     the losses are the same with or without samples, and a resumed run prints the same ones.
     ``None`` when the model is split over ranks (TP or PP > 1).

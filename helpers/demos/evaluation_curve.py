@@ -1,0 +1,101 @@
+"""Notebook 07's pictures: bits per byte against the baselines, and against training time.
+
+Section 2 draws :func:`bits_per_byte_figure` (the model next to gzip, xz and a unigram model on
+each held-out set); section 4 computes the training time of every saved checkpoint with
+:func:`training_seconds` (from ``metrics.jsonl``) and draws :func:`curve_figure`. The scores
+themselves come from ``helpers.evaluation``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+
+def training_seconds(train_records: Sequence[Mapping[str, Any]], iterations: Sequence[int]) -> list[float]:
+    """Seconds of training up to each of ``iterations``, from the train records of ``metrics.jsonl``.
+
+    Each record (``helpers.training.pretrain``) holds ``iteration`` and ``s_per_iter``, the mean
+    wall time of the iterations since the previous record (``log_interval`` of them; evaluation,
+    samples and checkpoint saves are not counted). The time at iteration ``i`` is the sum of
+    ``s_per_iter x iterations`` over the records up to ``i``; an ``i`` inside a logging interval
+    takes that interval's ``s_per_iter`` for its share. Iteration 0 is 0 s.
+
+    Args:
+        train_records: ``read_metrics(...)["train"]``, in iteration order.
+        iterations: iterations to time (e.g. the saved checkpoints), each >= 0.
+
+    Returns:
+        Seconds (float), one per iteration, in the given order.
+
+    Raises:
+        ValueError: an iteration past the last record (the log does not cover it), or
+            records not in increasing iteration order.
+    """
+    marks, elapsed, previous = [(0, 0.0, 0.0)], 0.0, 0
+    for rec in train_records:
+        if rec["iteration"] <= previous:
+            raise ValueError(f"train records out of order: iteration {rec['iteration']} after {previous}")
+        elapsed += rec["s_per_iter"] * (rec["iteration"] - previous)
+        marks.append((rec["iteration"], elapsed, rec["s_per_iter"]))
+        previous = rec["iteration"]
+    out = []
+    for it in iterations:
+        if it < 0 or it > previous:
+            raise ValueError(f"iteration {it} is outside the logged iterations 0..{previous} of metrics.jsonl")
+        end = next(m for m in marks if m[0] >= it)
+        out.append(end[1] - (end[0] - it) * end[2])
+    return out
+
+
+def bits_per_byte_figure(table: Mapping[str, Mapping[str, float]]):
+    """Grouped bars: bits per byte of each scorer (model, gzip -9, ...) on each held-out set.
+
+    Args:
+        table: ``{held-out set: {scorer: bits per byte}}``; every set has the same scorers.
+
+    Returns:
+        A matplotlib ``Figure`` (titled, labelled, with a legend and the value on each bar).
+    """
+    import matplotlib.pyplot as plt
+
+    sets = list(table)
+    scorers = list(table[sets[0]])
+    width = 0.8 / len(scorers)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for j, scorer in enumerate(scorers):
+        xs = [i + (j - (len(scorers) - 1) / 2) * width for i in range(len(sets))]
+        bars = ax.bar(xs, [table[s][scorer] for s in sets], width, label=scorer)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set(title="Held-out code: bits per byte (lower is better)", ylabel="bits per UTF-8 byte",
+           ylim=(0, 1.25 * max(v for row in table.values() for v in row.values())))
+    ax.legend(ncol=len(scorers), loc="upper center")
+    fig.tight_layout()
+    return fig
+
+
+def curve_figure(points: Mapping[str, Sequence[tuple[float, float, int]]], baselines: Mapping[str, float],
+                 baseline_name: str = "gzip -9"):
+    """Bits per byte of each held-out set against training time, with a baseline's level as a line.
+
+    Args:
+        points: ``{held-out set: [(training seconds, bits per byte, iteration), ...]}``.
+        baselines: ``{held-out set: bits per byte of the baseline}`` (drawn dashed, same colour).
+        baseline_name: the baseline's name in the legend.
+
+    Returns:
+        A matplotlib ``Figure``; each point is labelled with its checkpoint iteration.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, pts in points.items():
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"model, {name}")
+        ax.axhline(baselines[name], color=line.get_color(), ls="--", lw=1, label=f"{baseline_name}, {name}")
+        for seconds, bpb, iteration in pts:
+            ax.annotate(f"it {iteration}", (seconds, bpb), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(title="Bits per byte on held-out code during training", xlabel="training time (s, optimizer steps only)",
+           ylabel="bits per UTF-8 byte")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
