@@ -9,7 +9,6 @@ and a failure names the rank that failed and shows the end of its log.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -112,6 +111,8 @@ def torchrun_command(
 
 _ROOT_CAUSE_RANK = re.compile(r"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank", re.S)
 _EXCEPTION_LINE = re.compile(r"^(?:\[rank(\d+)\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception)\b.*)$")
+_SIGNALLED = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")  # torchrun's line for a killed rank
+_AGENT_SIGNAL = re.compile(r"SignalException: Process \d+ got signal: (\d+)")  # torchrun itself got a signal
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -229,28 +230,41 @@ def torchrun(
     tail: deque[str] = deque(maxlen=40)
     lines: list[str] = []
     stop = threading.Event()
+    # The job writes its output straight into the log file, not into a pipe to this process: if
+    # this process dies, the workers' prints still land (a pipe would break them, BrokenPipeError,
+    # before they could save). The reader follows the file, as `tail -f` does.
+    log = Path(log_path) if log_path else log_dir / "output.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     started_at, start = time.time(), time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env=full_env, cwd=cwd, start_new_session=True,
-    )
+    with open(log, "ab") as out:
+        offset = out.tell()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                start_new_session=True)
+
+    def emit(raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        lines.append(line)
+        tail.append(line)
+        if on_line is not None:
+            on_line(line)
 
     def pump() -> None:
-        # Owns the log file. After the launch returns (``stop``) it keeps logging what workers
-        # still print (a worker whose torchrun died saves and exits) but calls on_line no more.
-        assert proc.stdout is not None
-        with open(log_path, "a", encoding="utf-8") if log_path else contextlib.nullcontext() as log_file:
-            for raw in proc.stdout:
-                line = raw.rstrip("\n")
-                if log_file:
-                    log_file.write(line + "\n")
-                    log_file.flush()
-                if stop.is_set():
-                    continue
-                lines.append(line)
-                tail.append(line)
-                if on_line is not None:
-                    on_line(line)
+        with open(log, "rb") as f:
+            f.seek(offset)
+            pending = b""
+            while not stop.is_set():
+                chunk = f.readline()
+                if chunk:
+                    pending += chunk
+                    if pending.endswith(b"\n"):
+                        emit(pending)
+                        pending = b""
+                elif proc.poll() is not None:
+                    if pending:
+                        emit(pending)
+                    return
+                else:
+                    time.sleep(0.05)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -268,11 +282,11 @@ def torchrun(
         _kill_group(proc)
         raise
     finally:
-        reader.join(timeout=5)
+        reader.join(timeout=5)  # after the job ends the reader drains the file, then returns
         stop.set()
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise _failure(proc.returncode, lines, tail, error_files(log_dir, since=started_at), log_path)
+        raise _failure(proc.returncode, lines, tail, error_files(log_dir, since=started_at), log)
     for sub in list(log_dir.iterdir()):  # torchrun's per-run folders: empty after a success
         if sub.is_dir() and not any(sub.rglob("error.json")):
             shutil.rmtree(sub, ignore_errors=True)
@@ -286,12 +300,21 @@ def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: lis
     """The :class:`LaunchError` of a failed job: the first failing rank (by its error file's time,
     else torchrun's "Root Cause" block), its exception, where it was raised and the files to read."""
     first = errors[0] if errors else None
+    text = "\n".join(lines)
+    if first is None and (agent := _AGENT_SIGNAL.search(text)):
+        name = signal.Signals(int(agent.group(1))).name
+        return LaunchError(f"torchrun received {name} and stopped its workers (exit code {returncode}); on SIGTERM "
+                           "a helpers.training worker saves a checkpoint first: see the log", "\n".join(tail))
     if first is not None:
         rank, cause = first["rank"], first["message"]
     else:
-        match = _ROOT_CAUSE_RANK.search("\n".join(lines))
+        match = _ROOT_CAUSE_RANK.search(text)
         rank = int(match.group(1)) if match else None
         cause = _rank_error(lines, rank)
+        root = text[text.find("Root Cause"):] if "Root Cause" in text else ""
+        if (killed := _SIGNALLED.search(root)) is not None:
+            cause = (f"killed by {killed.group(2)} (signal {killed.group(1)})"
+                     + ("; the kernel's out-of-memory killer sends SIGKILL" if killed.group(2) == "SIGKILL" else ""))
     who = f"rank {rank}" if rank is not None else "a process"
     if returncode < 0 and first is None:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)

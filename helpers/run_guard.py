@@ -64,16 +64,20 @@ def _start_time(pid: int) -> str | None:
 def watch_launcher(interval_s: float = 1.0, grace_s: float = 120.0) -> threading.Thread:
     """Stop this process (SIGTERM, then ``os._exit(1)`` after ``grace_s`` s) once its launcher is gone.
 
-    The launcher is gone when the parent pid changes (the orphan was re-parented to init or a
-    subreaper) or when the process named by ``$HELPERS_LAUNCHER_PID`` no longer runs. Checked
-    every ``interval_s`` seconds by a daemon thread, which is returned.
+    The launcher is gone when, under torchrun (``TORCHELASTIC_RUN_ID`` set), the parent pid
+    changes (the orphan was re-parented to init or a subreaper), or when the process named by
+    ``$HELPERS_LAUNCHER_PID`` no longer runs. A trainer started by hand (``nohup python -m
+    helpers.training ...``) outlives its shell, as it should. Checked every ``interval_s``
+    seconds by a daemon thread, which is returned. The job's output goes to a file
+    (:func:`helpers.launch.torchrun`), so its last prints and the save do not depend on the
+    dead launcher.
     """
-    parent = os.getppid()
+    parent = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None  # only torchrun's workers
     launcher = int(os.environ.get(LAUNCHER_PID_ENV, "0") or 0)
     launcher_started = _start_time(launcher) if launcher else None
 
     def gone() -> str | None:
-        if os.getppid() != parent:
+        if parent is not None and os.getppid() != parent:
             return f"its parent process {parent} (torchrun) ended"
         if launcher and _start_time(launcher) != launcher_started:
             return f"its launcher process {launcher} ended"

@@ -350,6 +350,7 @@ def run(
             the partly executed notebook, which is saved.
     """
     import papermill
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     profile = profile or default_profile()
     selected = notebooks()
@@ -394,6 +395,10 @@ def run(
             except papermill.PapermillExecutionError as err:
                 _report_card(report.write, folder)  # what the run has so far; "finished: never"
                 raise NotebookError(_failure_text(path.stem, err, output)) from None
+            except (DeadKernelError, CellTimeoutError) as err:
+                _report_card(report.write, folder)
+                raise NotebookError(f"notebook {path.stem} failed: {type(err).__name__}: {err}\n"
+                                    f"  executed notebook (run up to the failing cell): {output}") from None
         wall = time.perf_counter() - start
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
         done.append(NotebookRun(path.stem, output, wall))
@@ -422,9 +427,9 @@ def _ipc_kernel_manager(folder: Path):
     """A jupyter_client ``KernelManager`` that talks to its kernel over local IPC sockets in
     ``folder`` instead of TCP: no ports, and no "Kernel is running over TCP without encryption"
     warning from every notebook's kernel (ipykernel 7)."""
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager  # async: nbclient then sees a dead kernel and cell timeouts
 
-    class IPCKernelManager(KernelManager):
+    class IPCKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
             kwargs.update(transport="ipc", ip=str(folder / "kernel"))
             super().__init__(**kwargs)

@@ -214,3 +214,36 @@ def test_the_last_lines_name_the_rank_its_exception_and_where(tmp_path):
     error_file = Path(last[3].split(": ", 1)[1])
     assert error_file.is_file() and "__1_0.distcp" in json.loads(error_file.read_text())["message"]["message"]
     assert last[4] == f"the log of every rank: {tmp_path / 'training.log'}"
+
+
+def test_a_trainer_started_by_hand_outlives_its_shell(tmp_path):
+    """Without torchrun (no TORCHELASTIC_RUN_ID) a changed parent is no reason to stop: a
+    `nohup python -m helpers.training ... &` run outlives the shell that started it."""
+    script, pid_file = tmp_path / "worker.py", tmp_path / "pid"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", run_guard.LAUNCHER_PID_ENV)}
+    env["PYTHONPATH"] = str(ROOT)
+    subprocess.run(["bash", "-c", f"nohup {sys.executable} {script} {pid_file} > /dev/null 2>&1 &"], env=env, check=True)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text().split()[0])
+    try:
+        time.sleep(1.5)  # the shell is gone; the watcher checks every 0.2 s
+        assert _alive(worker)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
+def test_a_rank_killed_by_a_signal_and_a_signalled_torchrun_are_named(tmp_path):
+    script = tmp_path / "self_kill.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(30)\n")
+    with pytest.raises(launch.LaunchError) as err:
+        launch.torchrun([str(script)], nproc_per_node=2, timeout_s=60, module=False, on_line=None)
+    assert err.value.failed_rank == 1
+    assert "killed by SIGKILL (signal 9); the kernel's out-of-memory killer sends SIGKILL" in err.value.headline
+    lines = ["torch.distributed.elastic.multiprocessing.api.SignalException: Process 8756 got signal: 15"]
+    agent = launch._failure(1, lines, lines, [], None)
+    assert agent.headline.startswith("torchrun received SIGTERM and stopped its workers (exit code 1)")

@@ -1,5 +1,6 @@
 """The series runner: profiles, overrides, validation, and a real papermill run of tiny notebooks."""
 
+import time
 from pathlib import Path
 
 import nbformat
@@ -194,3 +195,24 @@ def test_require_refuses_a_file_as_run_folder_and_parse_override_an_empty_name(t
         series.require("06_conversion", afile)
     with pytest.raises(series.ParameterError, match="the name before '=' is empty"):
         series.parse_override("=5")
+
+
+def test_a_dead_kernel_and_a_cell_timeout_end_the_run_naming_the_notebook(tiny_series, monkeypatch):
+    """The IPC kernel manager is jupyter_client's async one: with the blocking one nbclient waited
+    for ever on a killed kernel and never applied the cell timeout (a breaker found both)."""
+    _notebook(tiny_series / "02_dies.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\n',
+              "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    start = time.monotonic()
+    with pytest.raises(series.NotebookError, match=r"notebook 02_dies failed: DeadKernelError"):
+        series.run("tiny", run_dir=tiny_series.parent / "runs" / "d1", only=["02"])
+    assert time.monotonic() - start < 60
+    (tiny_series / "02_dies.ipynb").unlink()
+    _notebook(tiny_series / "02_sleeps.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\n',
+              "import time\ntime.sleep(120)")
+    monkeypatch.setitem(series.CELL_TIMEOUT_S, "tiny", 5)
+    start = time.monotonic()
+    with pytest.raises(series.NotebookError, match=r"notebook 02_sleeps failed: CellTimeoutError"):
+        series.run("tiny", run_dir=tiny_series.parent / "runs" / "d2", only=["02"])
+    assert time.monotonic() - start < 60

@@ -85,3 +85,41 @@ def test_a_damaged_shard_names_rank_exception_and_folder(data, tmp_path):
     assert Path(last[3].split(": ", 1)[1]).is_file()
     assert last[4] == f"the log of every rank: {cfg.run_path / 'training.log'}"
     assert {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")} == before  # nothing destroyed
+
+
+def test_a_trainer_whose_kernel_dies_saves_its_checkpoint(data, tmp_path):
+    """The launching process (a notebook kernel) is killed: the trainer's output goes to the log
+    file, not to a pipe into the dead kernel, so it notices, saves and exits instead of dying of
+    BrokenPipeError on its next print (a breaker found that)."""
+    import subprocess
+    import sys
+
+    cfg = tiny_config(data, tmp_path, train_iters=100_000, eval_interval=100_000, save_interval=0, log_interval=1)
+    script = tmp_path / "kernel.py"
+    script.write_text("import sys\nfrom helpers import launch, training_config\n"
+                      "cfg = training_config.TrainingConfig.from_json(sys.argv[1])\n"
+                      "launch.train(cfg, progress=False, timeout_s=300, env={'OMP_NUM_THREADS': '1'})\n")
+    config = cfg.to_json(tmp_path / "given.json")
+    root = Path(__file__).resolve().parent.parent
+    kernel = subprocess.Popen([sys.executable, str(script), str(config)], cwd=root, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": str(root)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, lock = cfg.run_path / "training.log", cfg.run_path / run_guard.LOCK_NAME
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (log.exists() and "iteration        3/" in log.read_text()):
+            assert kernel.poll() is None
+            time.sleep(0.2)
+        trainer = int(__import__("json").loads(lock.read_text())["pid"])
+        kernel.kill()  # the kernel only: torchrun and the trainer live on, in their own sessions
+        kernel.wait()
+        start = time.monotonic()
+        while _alive(trainer) and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        assert not _alive(trainer), "the trainer outlived its kernel"
+    finally:
+        kernel.kill()
+    text = log.read_text()
+    assert f"its launcher process {kernel.pid} ended" in text
+    assert "on signal 15 (checkpoint saved)" in text and "BrokenPipeError" not in text
+    assert checkpointing.latest_iteration(cfg.checkpoint_path) >= 3
