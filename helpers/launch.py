@@ -353,6 +353,26 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+#: Fields that do not change what a finished run trained (logging, saving, sampling, paths).
+_RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
+                    "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval", "sample_interval",
+                    "sample_prompt", "sample_tokens", "override_opt_param_scheduler",
+                    "use_checkpoint_opt_param_scheduler"}
+
+
+def _check_same_run(cfg, saved_path: Path) -> None:
+    """Refuse to hand back a finished run's results for a config that would train differently."""
+    if not saved_path.exists():
+        return
+    old, new = json.loads(saved_path.read_text()), cfg.to_dict()
+    diffs = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if k not in _RUN_ONLY_FIELDS and old.get(k) != v]
+    if diffs:
+        raise ValueError(
+            f"{cfg.run_path} already holds a finished run (train_iters={cfg.train_iters}) trained with other "
+            f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
+            f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")
+
+
 @dataclass
 class TrainingResult:
     """What :func:`train` returns: the summary, the metrics and the launch's wall time (s)."""
@@ -392,6 +412,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
         checkpointing.CheckpointMismatchError: the checkpoint folder holds another model shape.
         run_guard.RunFolderBusyError: another job trains ``cfg.run_path`` (named in the message).
+        ValueError: also when the folder holds a finished run trained with other settings.
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
     """
     from tqdm.auto import tqdm
@@ -408,6 +429,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
+        _check_same_run(cfg, cfg.run_path / config_name)  # a cached result must be this config's
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:
         check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun

@@ -220,6 +220,10 @@ def test_torchrun_training_loss_falls_and_records_everything(uninterrupted):
     assert any(p.name.startswith("events.out.tfevents") for p in cfg.tensorboard_path.iterdir())
     again = launch.train(cfg, nproc_per_node=1, progress=False)  # cached: nothing to do
     assert again.skipped and again.summary == s
+    assert launch.train(replace(cfg, log_interval=3), progress=False).skipped  # logging changes no weights
+    with pytest.raises(ValueError, match=r"already holds a finished run \(train_iters=12\) trained with other "
+                                         r"settings \(lr: 0.002 -> 0.001\)"):
+        launch.train(replace(cfg, lr=1e-3), progress=False)  # a breaker saw 03 show the old run as the new one's
 
 
 def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
