@@ -216,8 +216,7 @@ def torchrun(
     if env:
         full_env.update({k: str(v) for k, v in env.items()})
     # The project root on the path, so `-m helpers.x` works without installation too.
-    root = str(Path(__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    full_env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
 
     full_env[run_guard.LAUNCHER_PID_ENV] = str(os.getpid())  # the job stops if this process dies
     made_log_dir = log_dir is None
@@ -305,6 +304,10 @@ def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: lis
         name = signal.Signals(int(agent.group(1))).name
         return LaunchError(f"torchrun received {name} and stopped its workers (exit code {returncode}); on SIGTERM "
                            "a helpers.training worker saves a checkpoint first: see the log", "\n".join(tail))
+    if first is None and returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+        return LaunchError(f"torchrun was ended by {name} (exit code {returncode}); its workers stop on their own "
+                           f"within seconds (helpers.run_guard.watch_launcher)", "\n".join(tail))
     if first is not None:
         rank, cause = first["rank"], first["message"]
     else:
@@ -316,11 +319,6 @@ def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: lis
             cause = (f"killed by {killed.group(2)} (signal {killed.group(1)})"
                      + ("; the kernel's out-of-memory killer sends SIGKILL" if killed.group(2) == "SIGKILL" else ""))
     who = f"rank {rank}" if rank is not None else "a process"
-    if returncode < 0 and first is None:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
-        headline = (f"torchrun was ended by {name} (exit code {returncode}); its workers stop on their own "
-                    f"within seconds (helpers.run_guard.watch_launcher)")
-        return LaunchError(headline, "\n".join(tail))
     headline = (f"torchrun job failed: {who} exited with an error (exit code {returncode})"
                 + (f": {cause.splitlines()[0]}" if cause else "."))
     failure = [f"rank:       {who} (the first to fail)"]
@@ -351,26 +349,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-#: Fields that do not change what a finished run trained (logging, saving, sampling, paths).
-_RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
-                    "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval", "sample_interval",
-                    "sample_prompt", "sample_tokens", "override_opt_param_scheduler",
-                    "use_checkpoint_opt_param_scheduler"}
-
-
-def _check_same_run(cfg, saved_path: Path) -> None:
-    """Refuse to hand back a finished run's results for a config that would train differently."""
-    if not saved_path.exists():
-        return
-    old, new = json.loads(saved_path.read_text()), cfg.to_dict()
-    diffs = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if k not in _RUN_ONLY_FIELDS and old.get(k) != v]
-    if diffs:
-        raise ValueError(
-            f"{cfg.run_path} already holds a finished run (train_iters={cfg.train_iters}) trained with other "
-            f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
-            f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")
 
 
 @dataclass
@@ -419,7 +397,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
 
     from helpers import checkpointing
     from helpers.metrics import read_metrics
-    from helpers.training_config import check_resume_schedule
+    from helpers.training_config import check_resume_schedule, check_same_run
 
     cfg.check(nproc_per_node)
     run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
@@ -429,7 +407,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
-        _check_same_run(cfg, cfg.run_path / config_name)  # a cached result must be this config's
+        if (cfg.run_path / config_name).exists():  # a cached result must be this config's
+            check_same_run(cfg, json.loads((cfg.run_path / config_name).read_text()))
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:
         check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun

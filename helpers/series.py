@@ -392,13 +392,9 @@ def run(
                     kernel_name="python3", progress_bar=False, log_output=log_output,
                     execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
                 )
-            except papermill.PapermillExecutionError as err:
+            except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
                 _report_card(report.write, folder)  # what the run has so far; "finished: never"
                 raise NotebookError(_failure_text(path.stem, err, output)) from None
-            except (DeadKernelError, CellTimeoutError) as err:
-                _report_card(report.write, folder)
-                raise NotebookError(f"notebook {path.stem} failed: {type(err).__name__}: {err}\n"
-                                    f"  executed notebook (run up to the failing cell): {output}") from None
         wall = time.perf_counter() - start
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
         done.append(NotebookRun(path.stem, output, wall))
@@ -441,6 +437,9 @@ def _failure_text(stem: str, err, output: Path) -> str:
     """What a failed notebook prints last: the notebook, its cell, the error without the job's log
     tail (``helpers.launch.LaunchError`` puts the rank, exception and files after it), and the
     executed notebook."""
+    if not hasattr(err, "evalue"):  # the kernel died or a cell ran past its timeout
+        return (f"notebook {stem} failed: {type(err).__name__}: {err}\n"
+                f"  executed notebook (run up to the failing cell): {output}")
     value = str(err.evalue)
     if "\n--- last lines of the log ---\n" in value:
         head, rest = value.split("\n--- last lines of the log ---\n", 1)

@@ -329,6 +329,29 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
+#: Fields that do not change what a run trains (logging, saving, sampling, paths, resume flags).
+RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
+                   "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval", "sample_interval",
+                   "sample_prompt", "sample_tokens", "override_opt_param_scheduler",
+                   "use_checkpoint_opt_param_scheduler"}
+
+
+def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
+    """Refuse to hand back a finished run's results (``saved``: its ``run.json``) for a config
+    that would train differently.
+
+    Raises:
+        ValueError: a field outside :data:`RUN_ONLY_FIELDS` differs; the message lists them and the fixes.
+    """
+    diffs = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items()
+             if k not in RUN_ONLY_FIELDS and saved.get(k) != v]
+    if diffs:
+        raise ValueError(
+            f"{cfg.run_path} already holds a finished run (train_iters={cfg.train_iters}) trained with other "
+            f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
+            f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")
+
+
 def check_resume_schedule(cfg: TrainingConfig, saved: dict[str, Any]) -> dict[str, Any] | None:
     """Decide the learning-rate schedule of a resume, as Megatron-LM does (``optimizer_param_scheduler.py``).
 
