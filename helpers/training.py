@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = replace(cfg, train_iters=args.train_iters)
     if args.exit_interval is not None:
         cfg = replace(cfg, exit_interval=args.exit_interval)
+    run_guard.fork_checkpoint_queue()  # before watch_launcher's thread: see its docstring
     run_guard.watch_launcher()
     with run_guard.run_folder_lock(cfg.run_path, enabled=int(os.environ.get("RANK", "0")) == 0):
         pretrain(cfg)

@@ -168,6 +168,38 @@ def test_a_worker_stops_when_its_launcher_process_ends(tmp_path):
         worker.kill()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+
+
+def test_the_checkpoint_queue_is_forked_fast_and_dies_with_the_trainer():
+    """megatron-core's own spawned Manager outlives a killed trainer; the forked one must not."""
+    code = ("import time\nfrom helpers import run_guard\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as fa\n"
+            "t = time.perf_counter(); assert run_guard.fork_checkpoint_queue()\n"
+            "fa._results_queue.put(7); assert fa._results_queue.get() == 7\n"
+            "assert not run_guard.fork_checkpoint_queue()  # the queue exists: left alone\n"
+            "print(run_guard._MANAGERS[0]._process.pid, time.perf_counter() - t, flush=True); time.sleep(120)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        server, seconds = trainer.stdout.readline().split()
+        assert float(seconds) < 2.0  # the spawned Manager takes 5-8 s on 2 cores: it re-imports the trainer
+        assert _alive(int(server))
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 5
+        while _alive(int(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(server)), "the Manager's server outlived the killed trainer"
+    finally:
+        trainer.kill()
+
+
 def test_one_job_per_run_folder_and_the_message_names_it(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom helpers import run_guard\n"

@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iteration", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    from helpers import run_guard
+
+    run_guard.fork_checkpoint_queue()
     try:
         print(f"wrote {hf_to_megatron_checkpoint(args.hf_dir, args.checkpoint_dir, iteration=args.iteration, overwrite=args.overwrite)}")
     except (conversion.ConversionError, FileExistsError, FileNotFoundError) as err:

@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description="save the TP=1 model's initial weights as iter_0000000")
     parser.add_argument("--config", required=True, help="a helpers.training_config.TrainingConfig JSON file")
     args = parser.parse_args(argv)
+    from helpers import run_guard
+
+    run_guard.fork_checkpoint_queue()
     _init_checkpoint_main(args.config)
     return 0
 

@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from helpers import run_guard
     from helpers.distributed import destroy_distributed, initialize_distributed
+
+    run_guard.fork_checkpoint_queue()
 
     parser = argparse.ArgumentParser(prog="python -m helpers.demos.tensor_parallel_run")
     for name, kind in (("--tp", int), ("--load", str), ("--init-config", str), ("--tokens", str),
