@@ -1,7 +1,8 @@
 """Training benchmark: the series' megatron-core loop against transformers' ``Trainer``.
 
-Both sides train the same GPT-2 shape (the ``cpu`` model profile: 4 layers, hidden 256,
-4 heads, sequence length 256, vocabulary 8,192; ``helpers.conversion.gpt2_config`` gives
+Both sides train the same GPT-2 shape (the ``cpu`` model profile, notebook 03's model: 4 layers,
+hidden 192, 4 heads, sequence length 128, vocabulary 8,192; until 2026-12-01 hidden 256 and
+sequence 256, the shape of the RESULTS.md tables of that date; ``helpers.conversion.gpt2_config`` gives
 ``GPT2LMHeadModel`` identical dimensions) on the same samples (the same megatron-core
 ``GPTDataset``, read in order) with the same batch (the ``cpu`` training profile's: micro-batch
 4, global batch 8, i.e. two micro-batches of gradient accumulation, when RESULTS.md was
@@ -41,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import sys
 import time
 from dataclasses import replace
@@ -111,7 +110,7 @@ def training_config(opts: dict[str, Any]):
     the profiles in ``helpers.training_config`` change while it runs. Batch sizes left ``None`` in
     ``opts`` are the profile's own.
     """
-    from helpers.training_config import TrainingConfig, profile
+    from helpers.training_config import TrainingConfig, profile, resolve_precision
 
     if "config" in opts:
         return TrainingConfig.from_dict(opts["config"])
@@ -124,7 +123,7 @@ def training_config(opts: dict[str, Any]):
     return profile(
         opts["profile"], opts["run_dir"], model=model_overrides, **batch, train_iters=opts["iters"], lr_warmup_iters=1,
         lr_decay_iters=max(opts["iters"], 2), save_interval=None, eval_interval=opts["iters"], eval_iters=1,
-        precision="auto", split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
+        precision=resolve_precision("auto"), split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
         tensorboard_dir=str(Path(opts["out_dir"]) / "tensorboard"),
         metrics_path=str(Path(opts["out_dir"]) / "metrics.jsonl"),
     )
@@ -233,7 +232,7 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
         optim="adamw_torch_fused", logging_strategy="steps", logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, seed=cfg.seed, data_seed=cfg.seed,
         train_sampling_strategy="sequential", remove_unused_columns=False, dataloader_num_workers=0,
-        dataloader_pin_memory=cuda, use_cpu=not cuda, bf16=cuda and torch.cuda.is_bf16_supported(),
+        dataloader_pin_memory=cuda, use_cpu=not cuda, bf16=cfg.precision == "bf16", fp16=cfg.precision == "fp16",
     )
     dataset = _ShiftedGPTDataset(train_ds, cfg.train_iters * cfg.global_batch_size)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[Clock()])
@@ -243,7 +242,7 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, marks["start"], opts["warmup"]),
-            "losses": losses, "parameters": n_params, "precision": "bf16" if args.bf16 else "fp32",
+            "losses": losses, "parameters": n_params, "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "optimizer": f"Trainer optim={args.optim}",
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "implementation": f"transformers GPT2LMHeadModel ({opts['hf_attention']} attention)"}
@@ -348,6 +347,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gpu_peak_allocated_gb": (runs[side][0]["gpu_peak_allocated_bytes"] or 0) / 2**30 or None,
             "mfu": mfu(fpt, tps, peak),
         }
+    if len({s["precision"] for s in sides.values()}) != 1:
+        raise common.BenchError(f"the sides trained in different precisions ({ {k: v['precision'] for k, v in sides.items()} }): "
+                                "the comparison needs one dtype on both")
     return {
         "benchmark": "training", "machine": machine, "load_average_after": common.load_average(),
         "options": {k: v for k, v in opts.items() if k != "config"}, "config": opts["config"],

@@ -52,7 +52,10 @@ Standard-library source: ``sysconfig.get_paths()["stdlib"]`` without ``site-pack
 without the ``test``/``tests`` folders. The test suites are left out on purpose: they are
 about as large as the library itself, hold deliberately odd files (bad encodings, invalid
 syntax, huge data literals) and are mostly boilerplate asserts; notebook 02 uses them as a
-second corpus to show blending.
+second corpus to show blending. With ``package_files=N`` (notebook 01's default is 8) the
+standard library is joined by N files drawn from each third-party package installed in
+``site-packages`` (:func:`draw_package_files`): code by many authors in many styles, as
+GitHub's is, except the packages of :data:`HELDOUT_PACKAGES`, which notebook 07 keeps unseen.
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ CONTENT_KEY = "content"
 
 #: Folders left out of the default standard-library source (see the module docstring).
 STDLIB_EXCLUDED_DIRS: tuple[str, ...] = ("site-packages", "test", "tests", "__pycache__")
+
+#: Installed packages the default corpus never draws from, wherever they sit (a vendored copy
+#: such as ``pip/_vendor/packaging`` included): notebook 07's unseen set (its ``heldout_packages``).
+HELDOUT_PACKAGES: tuple[str, ...] = ("tqdm", "packaging")
+
+#: Start of the document path of a file drawn from ``site-packages`` (:func:`document_file`).
+SITE_PACKAGES_PREFIX = "site-packages/"
 
 #: CodeParrot ``preprocessing.py`` thresholds (``PreprocessingArguments`` defaults).
 LINE_MEAN_MAX = 100.0
@@ -124,6 +134,8 @@ class CorpusResult:
         removed: ``{filter name: documents removed}`` for every name in :data:`FILTERS` (0 for
             a filter that did not run).
         source: the source folder or file, as a string.
+        packages: ``{package: files read}`` of the installed packages read with the standard
+            library (``package_files``; empty otherwise).
         removed_paths: ``{filter name: paths of the documents it removed, in document order}``.
         char_token_ratios: ``{path: characters per token}`` of every document the
             ``low_char_token_ratio`` filter measured (none without ``more_filtering``).
@@ -134,6 +146,7 @@ class CorpusResult:
     num_read: int
     removed: dict[str, int] = field(default_factory=lambda: {name: 0 for name in FILTERS})
     source: str = ""
+    packages: dict[str, int] = field(default_factory=dict)
     removed_paths: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FILTERS})
     char_token_ratios: dict[str, float] = field(default_factory=dict)
     near_duplicate_of: dict[str, str] = field(default_factory=dict)
@@ -338,6 +351,56 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def site_packages_dir() -> Path:
+    """This interpreter's folder of installed pure-Python packages (``sysconfig.get_paths()["purelib"]``)."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def draw_package_files(per_package: int, seed: int = 1234, folder: str | os.PathLike | None = None,
+                       exclude: Iterable[str] = HELDOUT_PACKAGES) -> dict[str, list[Path]]:
+    """Draw up to ``per_package`` ``.py`` files from each installed third-party package.
+
+    A package is a top-level folder of ``folder`` (default :func:`site_packages_dir`; not
+    ``*.dist-info``, ``*.egg-info`` or ``__pycache__``) or a top-level ``.py`` module. Its
+    files are those outside the folders of :data:`STDLIB_EXCLUDED_DIRS` (tests) and outside any
+    folder named in ``exclude`` (so ``pip/_vendor/packaging`` stays out with ``packaging``);
+    ``per_package`` of them are drawn with ``random.Random(f"{seed}:{package}")``, so one
+    package's draw does not depend on which other packages are installed.
+
+    Returns:
+        ``{package: sorted drawn paths}`` in sorted package order; packages in ``exclude`` and
+        packages without a ``.py`` file are absent.
+
+    Raises:
+        ValueError: ``per_package < 1``.
+    """
+    if per_package < 1:
+        raise ValueError(f"package_files={per_package}: pass a positive number of files per package, or 0 for none")
+    root = site_packages_dir() if folder is None else Path(folder)
+    excluded = set(exclude)
+    drawn: dict[str, list[Path]] = {}
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        if name in excluded or entry.name == "__pycache__" or entry.suffix in (".dist-info", ".egg-info"):
+            continue
+        if entry.is_file():
+            files = [entry] if entry.suffix == ".py" else []
+        else:
+            files = sorted(p for p in entry.rglob("*.py") if p.is_file()
+                           and not (excluded | set(STDLIB_EXCLUDED_DIRS)).intersection(p.relative_to(root).parts[:-1]))
+        if files:
+            drawn[name] = sorted(random.Random(f"{seed}:{name}").sample(files, min(per_package, len(files))))
+    return drawn
+
+
+def document_file(source: str | os.PathLike, path: str) -> Path:
+    """The file a document of a folder source was read from: ``path`` is its document path
+    (:attr:`Document.path`), ``source`` the corpus's source folder (``CorpusResult.source``)."""
+    if path.startswith(SITE_PACKAGES_PREFIX):
+        return site_packages_dir() / path[len(SITE_PACKAGES_PREFIX):]
+    return Path(source) / path
+
+
 def list_python_files(folder: str | os.PathLike, exclude_dirs: Iterable[str] = ()) -> list[Path]:
     """Every ``*.py`` file under ``folder``, sorted, skipping folders named in ``exclude_dirs``.
 
@@ -424,6 +487,7 @@ def collect_corpus(
     seed: int = 1234,
     more_filtering: bool = False,
     vocab_size: int = 8192,
+    package_files: int = 0,
 ) -> CorpusResult:
     """Read a source, clean it with CodeParrot's filters, and return the kept documents.
 
@@ -442,6 +506,10 @@ def collect_corpus(
             to remove; ``helpers.data_stage.build_data`` turns it on.
         vocab_size: entries of the BPE that measures the characters per token
             (:func:`char_token_ratios`); used only with ``more_filtering``.
+        package_files: with the standard-library source (``source=None``), also read this many
+            files of each installed third-party package (:func:`draw_package_files`; never one
+            of :data:`HELDOUT_PACKAGES`); their document paths start with
+            :data:`SITE_PACKAGES_PREFIX`. Ignored for another source; 0 reads none.
 
     Returns:
         A :class:`CorpusResult`; documents are in the seeded order, which is the order of
@@ -460,17 +528,23 @@ def collect_corpus(
         raise FileNotFoundError(f"source={str(source)!r} does not exist: pass a folder of .py files or a JSON Lines file")
     raw: list[tuple[str | None, str]] = []
     if root.is_dir():
-        files = list_python_files(root, STDLIB_EXCLUDED_DIRS if source is None else ())
+        files = [(p, str(p.relative_to(root))) for p in list_python_files(root, STDLIB_EXCLUDED_DIRS if source is None else ())]
+        if source is None and package_files:
+            drawn = draw_package_files(package_files, seed)
+            files += [(p, SITE_PACKAGES_PREFIX + str(p.relative_to(site_packages_dir()))) for ps in drawn.values() for p in ps]
         rng.shuffle(files)
-        for path in files[:max_files]:
-            raw.append((_decode(path.read_bytes()), str(path.relative_to(root))))
+        for path, where in files[:max_files]:
+            raw.append((_decode(path.read_bytes()), where))
     else:
         raw = list(read_jsonl(root, text_key, max_files))
         rng.shuffle(raw)
     if not raw:
         raise ValueError(f"source={str(root)!r} holds no documents (an empty JSON Lines file): "
                          "pass a file with one JSON object per line")
-    result = CorpusResult(documents=[], num_read=len(raw), source=str(root))
+    read_packages = [where[len(SITE_PACKAGES_PREFIX):].split("/")[0].removesuffix(".py") for _, where in raw
+                     if source is None and where.startswith(SITE_PACKAGES_PREFIX)]
+    result = CorpusResult(documents=[], num_read=len(raw), source=str(root),
+                          packages={n: read_packages.count(n) for n in sorted(set(read_packages))})
     seen: set[str] = set()
     for text, where in raw:
         reason = rejection_reason(text, seen)

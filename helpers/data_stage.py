@@ -26,11 +26,11 @@ from helpers.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NA
 #: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
 DEFAULT_SETTINGS: dict[str, Any] = {
     "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
-    "split": "969,30,1", "seed": 1234, "more_filtering": False,
+    "split": "969,30,1", "seed": 1234, "more_filtering": False, "package_files": 0,
 }
 
 #: What a manifest written before a setting existed was made with.
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"more_filtering": False}
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"more_filtering": False, "package_files": 0}
 
 
 def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
@@ -46,7 +46,7 @@ def _corpus_record(result: corpus_mod.CorpusResult) -> dict[str, Any]:
     the characters per token of the files the later filters removed (the kept ones summarized)."""
     removed_later = {p for name in corpus_mod.MORE_FILTERS for p in result.removed_paths[name]}
     kept = sorted(r for p, r in result.char_token_ratios.items() if p not in removed_later)
-    return {"source": result.source, "num_read": result.num_read, "removed": result.removed,
+    return {"source": result.source, "packages": result.packages, "num_read": result.num_read, "removed": result.removed,
             "num_documents": len(result.documents), "num_bytes": result.num_bytes,
             "removed_files": result.removed_paths, "near_duplicate_of": result.near_duplicate_of,
             "char_token_ratio": {p: round(r, 3) for p, r in result.char_token_ratios.items() if p in removed_later},
@@ -63,6 +63,7 @@ def build_data(
     vocab_size: int | None = None,
     split: str | None = None,
     more_filtering: bool | None = None,
+    package_files: int | None = None,
     num_workers: int = 2,
     seed: int | None = None,
     progress: bool = True,
@@ -79,14 +80,16 @@ def build_data(
 
     A setting left ``None`` means "what this run folder was made with", or the default of
     :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
-    vocab 8192, split ``969,30,1``, seed 1234, the guide's filters only: notebook 01 passes
-    ``more_filtering=True``, its parameter's default). Later notebooks do not call this: they call
+    vocab 8192, split ``969,30,1``, seed 1234, the guide's filters only, no installed packages:
+    notebook 01 passes ``more_filtering=True`` and ``package_files=8``, its parameters' defaults). Later notebooks do not call this: they call
     ``helpers.series.require`` (which runs notebook 01 when its files are missing) and then
     :func:`data_paths`.
 
     Args:
         run_dir: the run folder.
-        source, text_key, max_files, seed, more_filtering: see :func:`helpers.corpus.collect_corpus`.
+        source, text_key, max_files, seed, more_filtering, package_files: see
+            :func:`helpers.corpus.collect_corpus` (``package_files`` is stored as 0 for a given
+            ``source``, which it does not apply to).
         vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`; with
             ``more_filtering`` also the size of the BPE that measures characters per token.
         split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
@@ -122,7 +125,8 @@ def build_data(
     jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
     requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
                  "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
-                 "split": split, "seed": seed, "more_filtering": more_filtering}
+                 "split": split, "seed": seed, "more_filtering": more_filtering,
+                 "package_files": 0 if source is not None and package_files is not None else package_files}
     manifest = data_manifest(run_dir) if (data_dir / MANIFEST_NAME).is_file() else None  # a damaged one: ValueError
     if manifest is not None:
         for name, value in requested.items():
@@ -142,7 +146,8 @@ def build_data(
         more = settings.get("more_filtering", SETTINGS_BEFORE_THEY_EXISTED["more_filtering"])
         result = corpus_mod.collect_corpus(settings["source"], text_key=settings["text_key"],
                                            max_files=settings["max_files"], seed=settings["seed"],
-                                           more_filtering=more, vocab_size=settings["vocab_size"])
+                                           more_filtering=more, vocab_size=settings["vocab_size"],
+                                           package_files=settings.get("package_files", 0))
         corpus_mod.write_jsonl(result.documents, jsonl)
         manifest["corpus"] = _corpus_record(result)
         _write_manifest(data_dir, manifest)

@@ -97,17 +97,20 @@ def encode(tokenizer, text: str) -> list[int]:
 
 @torch.no_grad()
 def score_texts(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], seq_length: int, *,
-                batch_size: int = 8, vocab_size: int | None = None) -> Compression:
+                batch_size: int = 8, vocab_size: int | None = None, stride: int | None = None) -> Compression:
     """Negative log-likelihood of ``texts`` under the model, in nats, tokens and bytes.
 
     Each text becomes the stream ``[eod] + encode(text)`` (the EOD token precedes every document
-    in the training data too), cut into consecutive windows of ``seq_length`` input tokens
-    starting at stream positions ``0, L, 2L, ...``; window ``k`` predicts stream tokens
-    ``kL+1 .. kL+L`` from its inputs ``kL .. kL+L-1``. So the first token of each window is not
-    predicted there (it is the EOD, or the last token predicted by the previous window) and its
-    context starts afresh; every token of every text is predicted exactly once, and the bytes
-    counted are exactly the text's UTF-8 bytes (checked: ``decode(encode(text)) == text``).
-    Windows are batched, right-padded with EOD; padded positions are not scored.
+    in the training data too), read in windows of ``L = seq_length`` input tokens that start
+    every ``S = stride`` tokens (stream positions ``0, S, 2S, ...``, until the text's last token
+    is predicted); window ``k`` feeds stream tokens ``kS .. kS+L-1`` and scores only the targets
+    no earlier window scored. With ``S = L`` (the default) the windows do not overlap and each
+    window's context starts afresh; with ``S < L`` every scored token after the first window has
+    at least ``L - S`` tokens of context, the sliding-window evaluation of Hugging Face's
+    "Perplexity of fixed-length models" guide (``S = L/2`` costs twice the forward passes).
+    Either way every token of every text is predicted exactly once, and the bytes counted are
+    exactly the text's UTF-8 bytes (checked: ``decode(encode(text)) == text``). Windows are
+    batched, right-padded with EOD; padded positions are not scored.
 
     Args:
         logits_fn: ``[batch, seq] int64 -> [batch, seq, vocab] float`` (see the module docstring).
@@ -117,29 +120,41 @@ def score_texts(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], seq_length
         batch_size: windows per ``logits_fn`` call.
         vocab_size: score only the first ``vocab_size`` logits (the tokenizer's size, without
             Megatron's padded vocab rows); default all.
+        stride: tokens between window starts, ``1 <= stride <= seq_length``; ``None``: ``seq_length``.
 
     Returns:
         :class:`Compression` (float64 sum of nats).
 
     Raises:
-        ValueError: no texts, an empty text, ``seq_length`` < 1, or a text the tokenizer does
-            not round-trip (its bytes would not be the bytes scored).
+        ValueError: no texts, an empty text, ``seq_length`` < 1, a stride outside
+            ``1..seq_length``, or a text the tokenizer does not round-trip (its bytes would not
+            be the bytes scored).
     """
     if not texts or seq_length < 1:
         raise ValueError(f"need texts (got {len(texts)}) and seq_length >= 1 (got {seq_length})")
+    stride = seq_length if stride is None else stride
+    if not 1 <= stride <= seq_length:
+        raise ValueError(f"stride={stride}: pass 1 <= stride <= seq_length ({seq_length}), or None for seq_length")
     eod, windows, num_bytes = tokenizer.eos_token_id, [], 0
     for i, text in enumerate(texts):
         ids = encode(tokenizer, text)
         if not ids or tokenizer.decode(ids) != text:
             raise ValueError(f"text {i} is empty or does not round-trip through the tokenizer")
-        stream, num_bytes = [eod] + ids, num_bytes + len(text.encode("utf-8"))
-        windows += [stream[s:s + seq_length + 1] for s in range(0, len(ids), seq_length)]
+        stream, num_bytes, scored = [eod] + ids, num_bytes + len(text.encode("utf-8")), 0
+        for start in range(0, len(ids), stride):  # (window, index of its first target not scored before)
+            window = stream[start:start + seq_length + 1]
+            windows.append((window, scored - start))
+            scored = start + len(window) - 1
+            if scored == len(ids):
+                break
     nats, tokens = 0.0, 0
     for b in range(0, len(windows), batch_size):
-        chunk = windows[b:b + batch_size]
+        chunk = [w for w, _ in windows[b:b + batch_size]]
         width = max(len(w) for w in chunk) - 1
         rows = torch.tensor([w + [eod] * (width + 1 - len(w)) for w in chunk])
-        mask = torch.arange(width) < torch.tensor([len(w) - 1 for w in chunk])[:, None]
+        positions = torch.arange(width)
+        mask = ((positions < torch.tensor([len(w) - 1 for w in chunk])[:, None])
+                & (positions >= torch.tensor([first for _, first in windows[b:b + batch_size]])[:, None]))
         logits = logits_fn(rows[:, :-1])[..., :vocab_size].float()
         nll = -torch.log_softmax(logits, dim=-1).gather(-1, rows[:, 1:, None].to(logits.device))[..., 0]
         nats += float(nll[mask.to(logits.device)].double().sum())
@@ -195,6 +210,52 @@ def unigram_nats(train_ids, heldout_ids, vocab_size: int) -> float:
     counts = torch.bincount(train, minlength=vocab_size).double()
     log_p = torch.log(counts + 1) - math.log(train.numel() + vocab_size)
     return float(-log_p[held].sum())
+
+
+# ---------------------------------------------------------------- the unseen set
+def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Iterable[str], *, max_files: int,
+                          more_filtering: bool, seed: int = 1234) -> list[dict]:
+    """Read installed packages' ``.py`` files as an unseen set, cleaned as notebook 01 cleaned its corpus.
+
+    Each package is found with ``importlib.util.find_spec`` (a package folder, or a single-file
+    module such as ``six``). Its files, in sorted path order, go through
+    :func:`helpers.corpus.rejection_reason` (the guide's six filters; ``seen_hashes``, for
+    example the hashes of every corpus document, make a copy of one a ``duplicate``) and, with
+    ``more_filtering``, :func:`helpers.corpus.heuristic_reason` (characters per token measured
+    with ``tokenizer``), until ``max_files`` of them pass.
+
+    Returns:
+        One dict per file read, in order: ``package``, ``file`` (path inside the package),
+        ``bytes`` (UTF-8), ``removed by`` (the filter's name, ``""`` when kept) and ``text``.
+
+    Raises:
+        ValueError: a package is not installed (the message names it).
+    """
+    import importlib.util
+
+    from helpers import corpus
+
+    if missing := [p for p in packages if importlib.util.find_spec(p) is None]:
+        raise ValueError(f"heldout_packages names {missing}, not installed here: name installed packages (pip list)")
+    seen, files = set(seen_hashes), []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec.submodule_search_locations:
+            folder = Path(next(iter(spec.submodule_search_locations)))
+            paths = sorted(folder.rglob("*.py"))
+        else:
+            folder, paths = Path(spec.origin).parent, [Path(spec.origin)]
+        kept = 0
+        for path in paths:
+            text = path.read_text(encoding="utf-8")
+            ratio = len(text) / max(len(encode(tokenizer, text)), 1)
+            reason = corpus.rejection_reason(text, seen) or (corpus.heuristic_reason(text, ratio, seed) if more_filtering else None)
+            files.append({"package": package, "file": str(path.relative_to(folder)), "bytes": len(text.encode()),
+                          "removed by": reason or "", "text": text})
+            kept += reason is None
+            if kept == max_files:
+                break
+    return files
 
 
 # ---------------------------------------------------------------- sampling

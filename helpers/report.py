@@ -190,10 +190,14 @@ def _data(m: dict[str, Any], s01: dict[str, Any]) -> list[str]:
     corpus, pre = m.get("corpus", {}), m.get("preprocess", {})
     removed = corpus.get("removed") or {}
     lines = ["## Data", _table([
-        ("source", corpus.get("source")), ("files read", corpus.get("num_read")), ("removed by filter", removed or None),
+        ("source", corpus.get("source")),
+        ("installed packages read (files)", f"{len(corpus['packages'])} ({sum(corpus['packages'].values()):,})"
+         if corpus.get("packages") else None),
+        ("files read", corpus.get("num_read")), ("removed by filter", removed or None),
         ("documents", corpus.get("num_documents")), ("corpus bytes", corpus.get("num_bytes")),
         ("split", m.get("settings", {}).get("split")), ("vocabulary (tokens)", m.get("tokenizer", {}).get("vocab_size")),
         ("tokens written", pre.get("num_tokens")), ("tokens/s tokenizing", pre.get("tokens_per_second")),
+        ("third-party share of the kept bytes", s01.get("third_party_share_of_bytes")),
         ("held-out bytes per token", s01.get("held_out_bytes_per_token"))])]
     if corpus.get("num_read") and pre.get("num_tokens") and corpus.get("num_documents"):
         lines.append(f"The filters removed {sum(removed.values()):,} of {corpus['num_read']:,} files read; the "

@@ -50,6 +50,12 @@ RUNNER_PARAMETERS = ("run_dir", "profile")
 #: defaults are the `cpu` profile, so it is empty. `smoke` is what the test suite runs.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {},
+    # about 30 minutes on 2 cores: notebook 03 trains the same model 12x longer (about one epoch
+    # of the corpus), notebook 07 scores each of its 6 checkpoints
+    "cpu-long": {
+        "03_training": {"train_iters": 12000, "lr_warmup_iters": 500, "eval_interval": 1000, "save_interval": 2000,
+                        "sample_interval": 2000, "log_interval": 100, "timeout_s": 5400},
+    },
     "codeparrot-small": {
         "01_data_preprocessing": {"vocab_size": 32768},
         "02_data_loader": {"seq_length": 1024, "global_batch_size": 192},
@@ -98,7 +104,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 #: Per-cell timeout (seconds) for papermill, by profile.
-CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "codeparrot-small": None}
+CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 5400, "codeparrot-small": None}
 
 
 class ParameterError(ValueError):

@@ -109,6 +109,46 @@ def test_stdlib_source_leaves_out_tests_and_site_packages():
     assert result.num_read == 20 and len(result.documents) >= 15
 
 
+def _site_packages(tmp_path):
+    body = lambda i: f"def f{i}(x):\n    y = x + {i}\n    return y * 2\n"
+    files = {f"numpylike/sub/m{i}.py": body(i) for i in range(12)}
+    files |= {"numpylike/tests/test_m.py": body(99), "pip/_vendor/packaging/version.py": body(50),
+              "pip/_internal/main.py": body(51), "packaging/version.py": body(52), "tqdm/std.py": body(53),
+              "six.py": body(54), "six-1.0.dist-info/RECORD.py": body(55), "__pycache__/x.py": body(56),
+              "datalike/data.txt": "not python"}
+    return _folder(tmp_path, files)
+
+
+def test_package_draw_keeps_held_out_packages_and_tests_out(tmp_path):
+    root = _site_packages(tmp_path)
+    drawn = corpus.draw_package_files(5, seed=1, folder=root)
+    assert sorted(drawn) == ["numpylike", "pip", "six"]
+    assert len(drawn["numpylike"]) == 5 and [p.name for p in drawn["pip"]] == ["main.py"] and drawn["six"] == [root / "six.py"]
+    everything = [str(p.relative_to(root)) for ps in drawn.values() for p in ps]
+    assert not any("packaging" in p or "tqdm" in p or "tests" in p for p in everything)
+    # one package's draw depends on the seed and its own name only, not on the other packages
+    alone = corpus.draw_package_files(5, seed=1, folder=root, exclude=("pip", "six", "tqdm", "packaging"))
+    assert alone == {"numpylike": drawn["numpylike"]}
+    assert corpus.draw_package_files(5, seed=2, folder=root)["numpylike"] != drawn["numpylike"]
+    assert len(corpus.draw_package_files(50, seed=1, folder=root)["numpylike"]) == 12
+    with pytest.raises(ValueError, match="package_files=0"):
+        corpus.draw_package_files(0, folder=root)
+
+
+def test_default_source_joins_installed_packages(tmp_path, monkeypatch):
+    root = _site_packages(tmp_path)
+    monkeypatch.setattr(corpus, "site_packages_dir", lambda: root)
+    result = corpus.collect_corpus(seed=3, package_files=4)
+    from_packages = [d.path for d in result.documents if d.path.startswith(corpus.SITE_PACKAGES_PREFIX)]
+    assert result.packages == {"numpylike": 4, "pip": 1, "six": 1}
+    assert len(from_packages) == 6 and len(result.documents) > 300
+    assert all(corpus.document_file(result.source, d.path).read_text(encoding="utf-8") == d.content
+               for d in result.documents[:50] + [d for d in result.documents if d.path in from_packages])
+    assert corpus.collect_corpus(max_files=40, seed=3).packages == {}
+    # a given source ignores package_files
+    assert corpus.collect_corpus(root / "numpylike", package_files=4).packages == {}
+
+
 # --------------------------------------------------------------------------- bad input
 def test_folder_without_python_files(tmp_path):
     root = _folder(tmp_path, {"readme.md": "hi", "sub/data.json": "{}"})
@@ -325,3 +365,14 @@ def test_build_data_records_the_new_filters_in_the_manifest(tmp_path):
     manifest_path.write_text(json.dumps(old))
     with pytest.raises(ValueError, match=r"made with more_filtering=False, not True"):
         data_stage.build_data(tmp_path / "run", more_filtering=True, stop_after="corpus", progress=False)
+
+
+def test_notebook_07_scores_the_packages_the_corpus_leaves_out():
+    import ast
+
+    from helpers import series
+
+    params = series.notebook_parameters(series.NOTEBOOK_DIR / "07_evaluation.ipynb")
+    assert tuple(ast.literal_eval(params["heldout_packages"]["default"]).split(",")) == corpus.HELDOUT_PACKAGES
+    assert ast.literal_eval(series.notebook_parameters(series.NOTEBOOK_DIR / "01_data_preprocessing.ipynb")
+                            ["package_files"]["default"]) > 0

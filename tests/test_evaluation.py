@@ -87,6 +87,24 @@ def test_windows_and_batches_do_not_change_a_causal_score(tok, held_out):
     assert other_windows.nats == pytest.approx(one.nats, rel=1e-6)
 
 
+def test_a_sliding_window_scores_every_token_once_with_more_context(tok, held_out):
+    fn = bigram(len(tok))
+    plain = ev.score_texts(fn, tok, held_out, seq_length=16)
+    for stride in (1, 5, 8, 16):
+        slid = ev.score_texts(fn, tok, held_out, seq_length=16, stride=stride, batch_size=3)
+        assert slid.tokens == plain.tokens and slid.bytes == plain.bytes
+        assert slid.nats == pytest.approx(plain.nats, rel=1e-9)
+    seen = []  # the context each scored token gets: with stride 8 of 16, at least 8 tokens after the first window
+    def context_fn(t):
+        seen.append(t.shape[1])
+        return fn(t)
+    ev.score_texts(context_fn, tok, [held_out[0]], seq_length=16, stride=8, batch_size=1)
+    n = len(ev.encode(tok, held_out[0]))
+    assert len(seen) == max(1, -(-(n - 16) // 8) + 1)
+    with pytest.raises(ValueError, match="stride=17"):
+        ev.score_texts(fn, tok, held_out, seq_length=16, stride=17)
+
+
 def test_score_texts_refuses_bad_input(tok):
     with pytest.raises(ValueError, match="text 0 is empty"):
         ev.score_texts(bigram(len(tok)), tok, [""], 8)
@@ -253,3 +271,19 @@ def test_distinct_n_counts_repeated_ngrams():
     assert ev.distinct_n([1, 2, 3, 4]) == 1.0
     assert ev.distinct_n([1, 2, 1, 2, 1], n=2) == 0.5  # (1,2) (2,1) (1,2) (2,1)
     assert ev.distinct_n([7], n=2) == 0.0
+
+
+def test_heldout_package_files_cleans_like_the_corpus(tok):
+    from helpers import corpus
+
+    files = ev.heldout_package_files(["packaging"], tok, set(), max_files=3, more_filtering=False)
+    kept = [f for f in files if not f["removed by"]]
+    assert len(kept) == 3 and all(f["package"] == "packaging" and f["bytes"] == len(f["text"].encode()) for f in files)
+    assert [f["file"] for f in files] == sorted(f["file"] for f in files)
+    # a file whose content the corpus holds is a duplicate, and the next file takes its place
+    again = ev.heldout_package_files(["packaging"], tok, {corpus.content_hash(kept[0]["text"])}, max_files=3,
+                                     more_filtering=False)
+    assert next(f for f in again if f["file"] == kept[0]["file"])["removed by"] == "duplicate"
+    assert len([f for f in again if not f["removed by"]]) == 3
+    with pytest.raises(ValueError, match=r"\['no_such_package_here'\], not installed"):
+        ev.heldout_package_files(["no_such_package_here"], tok, set(), max_files=3, more_filtering=False)

@@ -185,7 +185,7 @@ def test_metadata_has_what_a_converter_needs():
                 "max_position_embeddings", "gelu", "hf_activation_function", "tied_embeddings",
                 "layernorm_epsilon", "position_embedding_type", "num_parameters", "flops_per_token"):
         assert key in meta
-    assert meta["padded_vocab_size"] == 8192 and meta["ffn_hidden_size"] == 1024
+    assert meta["padded_vocab_size"] == 8192 and meta["ffn_hidden_size"] == 4 * 192
 
 
 def test_precision_needs_cuda():
