@@ -3,7 +3,10 @@
 Every candidate trains notebook 03's loop (:func:`helpers.launch.train`, megatron-core under
 torchrun, one process) on the same data, notebook 01's defaults made once in
 ``{run_dir}/data`` (standard library plus 8 files of each installed package, CodeParrot's
-filters), with notebook 03's defaults except the overrides the candidate names. Each is then
+filters). The base every candidate's overrides apply to is the cpu recipe the sweep started
+from (:data:`BASE`: 4 layers, hidden 256, sequence 256, global batch 8, 200 iterations, lr 2e-3;
+notebook 03's defaults before the sweep); the built-in ``h192-s128-gbs4-1000it`` is the
+winner, notebook 03's defaults now. Each is then
 judged as notebook 07 judges the series' model, on the megatron-core checkpoint:
 
 * bits per byte on the **unseen set** (:data:`helpers.corpus.HELDOUT_PACKAGES`, the first 5
@@ -44,7 +47,13 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "s128-gbs16": {"seq_length": 128, "global_batch_size": 16},
     "300it": {"train_iters": 300},
     "gbs4-400it": {"global_batch_size": 4, "train_iters": 400, "lr_warmup_iters": 40},
+    "h192-s128-gbs4-1000it": {"hidden_size": 192, "seq_length": 128, "global_batch_size": 4, "train_iters": 1000,
+                              "lr_warmup_iters": 100},
 }
+#: What the overrides apply to: the cpu recipe before the sweep (4 layers, 4 heads, micro-batch 4).
+BASE: dict[str, Any] = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 256,
+                        "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 200, "lr": 2e-3, "min_lr": 2e-4,
+                        "lr_warmup_iters": 20}
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 PROMPTS = ("def", "import", "class")
 
@@ -98,16 +107,15 @@ def judge(checkpoint_dir: Path, paths, sets: dict[str, list[str]], seed: int = 1
 def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, sets: dict[str, list[str]]) -> dict[str, Any]:
     from helpers import launch, training_config
 
-    model = {k: overrides[k] for k in MODEL_FIELDS if k in overrides}
-    rest = {k: v for k, v in overrides.items() if k not in MODEL_FIELDS}
-    iters = rest.pop("train_iters", 200)
-    seq = model.get("seq_length", 256)
+    settings = {**BASE, **overrides}
+    model = {k: settings[k] for k in MODEL_FIELDS}
+    rest = {k: v for k, v in settings.items() if k not in MODEL_FIELDS}
+    iters, seq = rest.pop("train_iters"), model["seq_length"]
     cfg = training_config.profile(
         "cpu", str(out_dir / name), data_prefix=str(paths.data_prefix), tokenizer_dir=str(paths.tokenizer_dir),
         split=paths.split, train_iters=iters, lr_decay_iters=iters, eval_interval=iters, save_interval=iters,
         log_interval=10, sample_interval=0,
-        model={"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": paths.vocab_size,
-               "max_position_embeddings": seq, **model}, **rest)
+        model={"vocab_size": paths.vocab_size, "max_position_embeddings": seq, **model}, **rest)
     load_before = common.load_average()
     started = time.perf_counter()
     result = launch.train(cfg, timeout_s=3600, progress=False)
@@ -158,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         [r["candidate"], r["train_wall_s"], r["s_per_iter"], r["tokens_seen"], r["valid_loss"], r["valid_bpb"],
          r["unseen_bpb"], r["unseen_gzip_bpb"], r["syntax_validity"],
          f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f}"] for r in rows]))
-    common.write_json(out_dir / "bench_recipe.json", {"machine": common.machine_info(), "rows": rows})
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    print(f"written to {common.write_json(out_dir / f'bench_recipe-{stamp}.json', {'machine': common.machine_info(), 'rows': rows})}")
     return 0
 
 

@@ -135,7 +135,8 @@ class CorpusResult:
             a filter that did not run).
         source: the source folder or file, as a string.
         packages: ``{package: files read}`` of the installed packages read with the standard
-            library (``package_files``; empty otherwise).
+            library (``package_files``; empty otherwise); packages_dir: their folder
+            (:func:`site_packages_dir`), ``""`` when none was read.
         removed_paths: ``{filter name: paths of the documents it removed, in document order}``.
         char_token_ratios: ``{path: characters per token}`` of every document the
             ``low_char_token_ratio`` filter measured (none without ``more_filtering``).
@@ -147,6 +148,7 @@ class CorpusResult:
     removed: dict[str, int] = field(default_factory=lambda: {name: 0 for name in FILTERS})
     source: str = ""
     packages: dict[str, int] = field(default_factory=dict)
+    packages_dir: str = ""
     removed_paths: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FILTERS})
     char_token_ratios: dict[str, float] = field(default_factory=dict)
     near_duplicate_of: dict[str, str] = field(default_factory=dict)
@@ -361,11 +363,14 @@ def draw_package_files(per_package: int, seed: int = 1234, folder: str | os.Path
     """Draw up to ``per_package`` ``.py`` files from each installed third-party package.
 
     A package is a top-level folder of ``folder`` (default :func:`site_packages_dir`; not
-    ``*.dist-info``, ``*.egg-info`` or ``__pycache__``) or a top-level ``.py`` module. Its
-    files are those outside the folders of :data:`STDLIB_EXCLUDED_DIRS` (tests) and outside any
-    folder named in ``exclude`` (so ``pip/_vendor/packaging`` stays out with ``packaging``);
-    ``per_package`` of them are drawn with ``random.Random(f"{seed}:{package}")``, so one
-    package's draw does not depend on which other packages are installed.
+    ``*.dist-info``, ``*.egg-info``, ``__pycache__`` or pip's ``__editable__`` finders, which
+    name this checkout's path) or a top-level ``.py`` module. Its files are those outside the
+    folders of :data:`STDLIB_EXCLUDED_DIRS` (tests) and whose path has no part (folder or file
+    name) that starts with a name in ``exclude``: so ``pip/_vendor/packaging/``,
+    ``scipy/_external/packaging_version/`` and a vendored ``tqdm.py`` stay out with
+    ``packaging`` and ``tqdm``. ``per_package`` files are drawn with
+    ``random.Random(f"{seed}:{package}")``, so one package's draw does not depend on which other
+    packages are installed.
 
     Returns:
         ``{package: sorted drawn paths}`` in sorted package order; packages in ``exclude`` and
@@ -377,27 +382,34 @@ def draw_package_files(per_package: int, seed: int = 1234, folder: str | os.Path
     if per_package < 1:
         raise ValueError(f"package_files={per_package}: pass a positive number of files per package, or 0 for none")
     root = site_packages_dir() if folder is None else Path(folder)
-    excluded = set(exclude)
+    prefixes = tuple(exclude)
+
+    def kept(path: Path) -> bool:
+        parts = path.relative_to(root).parts
+        return not set(STDLIB_EXCLUDED_DIRS).intersection(parts[:-1]) and not any(p.startswith(prefixes) for p in parts)
+
     drawn: dict[str, list[Path]] = {}
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         name = entry.stem if entry.suffix == ".py" else entry.name
-        if name in excluded or entry.name == "__pycache__" or entry.suffix in (".dist-info", ".egg-info"):
+        if (entry.name == "__pycache__" or entry.name.startswith("__editable__")
+                or entry.suffix in (".dist-info", ".egg-info")):
             continue
         if entry.is_file():
-            files = [entry] if entry.suffix == ".py" else []
+            files = [entry] if entry.suffix == ".py" and kept(entry) else []
         else:
-            files = sorted(p for p in entry.rglob("*.py") if p.is_file()
-                           and not (excluded | set(STDLIB_EXCLUDED_DIRS)).intersection(p.relative_to(root).parts[:-1]))
+            files = sorted(p for p in entry.rglob("*.py") if p.is_file() and kept(p))
         if files:
             drawn[name] = sorted(random.Random(f"{seed}:{name}").sample(files, min(per_package, len(files))))
     return drawn
 
 
-def document_file(source: str | os.PathLike, path: str) -> Path:
+def document_file(source: str | os.PathLike, path: str, packages_dir: str | os.PathLike | None = None) -> Path:
     """The file a document of a folder source was read from: ``path`` is its document path
-    (:attr:`Document.path`), ``source`` the corpus's source folder (``CorpusResult.source``)."""
-    if path.startswith(SITE_PACKAGES_PREFIX):
-        return site_packages_dir() / path[len(SITE_PACKAGES_PREFIX):]
+    (:attr:`Document.path`), ``source`` the corpus's source folder and ``packages_dir`` the
+    folder its package files came from (``CorpusResult.source`` / ``.packages_dir``, also in
+    ``data_manifest.json``; empty or ``None`` when no package file was read)."""
+    if packages_dir and path.startswith(SITE_PACKAGES_PREFIX):
+        return Path(packages_dir) / path[len(SITE_PACKAGES_PREFIX):]
     return Path(source) / path
 
 
@@ -544,7 +556,8 @@ def collect_corpus(
     read_packages = [where[len(SITE_PACKAGES_PREFIX):].split("/")[0].removesuffix(".py") for _, where in raw
                      if source is None and where.startswith(SITE_PACKAGES_PREFIX)]
     result = CorpusResult(documents=[], num_read=len(raw), source=str(root),
-                          packages={n: read_packages.count(n) for n in sorted(set(read_packages))})
+                          packages={n: read_packages.count(n) for n in sorted(set(read_packages))},
+                          packages_dir=str(site_packages_dir()) if read_packages else "")
     seen: set[str] = set()
     for text, where in raw:
         reason = rejection_reason(text, seen)

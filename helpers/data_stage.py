@@ -46,7 +46,8 @@ def _corpus_record(result: corpus_mod.CorpusResult) -> dict[str, Any]:
     the characters per token of the files the later filters removed (the kept ones summarized)."""
     removed_later = {p for name in corpus_mod.MORE_FILTERS for p in result.removed_paths[name]}
     kept = sorted(r for p, r in result.char_token_ratios.items() if p not in removed_later)
-    return {"source": result.source, "packages": result.packages, "num_read": result.num_read, "removed": result.removed,
+    return {"source": result.source, "packages": result.packages, "packages_dir": result.packages_dir,
+            "num_read": result.num_read, "removed": result.removed,
             "num_documents": len(result.documents), "num_bytes": result.num_bytes,
             "removed_files": result.removed_paths, "near_duplicate_of": result.near_duplicate_of,
             "char_token_ratio": {p: round(r, 3) for p, r in result.char_token_ratios.items() if p in removed_later},

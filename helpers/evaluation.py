@@ -218,7 +218,8 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
     """Read installed packages' ``.py`` files as an unseen set, cleaned as notebook 01 cleaned its corpus.
 
     Each package is found with ``importlib.util.find_spec`` (a package folder, or a single-file
-    module such as ``six``). Its files, in sorted path order, go through
+    module such as ``six``). Its files outside test folders (:data:`helpers.corpus.STDLIB_EXCLUDED_DIRS`),
+    in sorted path order, go through
     :func:`helpers.corpus.rejection_reason` (the guide's six filters; ``seen_hashes``, for
     example the hashes of every corpus document, make a copy of one a ``duplicate``) and, with
     ``more_filtering``, :func:`helpers.corpus.heuristic_reason` (characters per token measured
@@ -242,16 +243,22 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
         spec = importlib.util.find_spec(package)
         if spec.submodule_search_locations:
             folder = Path(next(iter(spec.submodule_search_locations)))
-            paths = sorted(folder.rglob("*.py"))
+            paths = sorted(p for p in folder.rglob("*.py")
+                           if not set(corpus.STDLIB_EXCLUDED_DIRS).intersection(p.relative_to(folder).parts[:-1]))
         else:
             folder, paths = Path(spec.origin).parent, [Path(spec.origin)]
         kept = 0
         for path in paths:
-            text = path.read_text(encoding="utf-8")
-            ratio = len(text) / max(len(encode(tokenizer, text)), 1)
-            reason = corpus.rejection_reason(text, seen) or (corpus.heuristic_reason(text, ratio, seed) if more_filtering else None)
-            files.append({"package": package, "file": str(path.relative_to(folder)), "bytes": len(text.encode()),
-                          "removed by": reason or "", "text": text})
+            raw = path.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            reason = corpus.rejection_reason(text, seen)
+            if reason is None and more_filtering:
+                reason = corpus.heuristic_reason(text, len(text) / max(len(encode(tokenizer, text)), 1), seed)
+            files.append({"package": package, "file": str(path.relative_to(folder)), "bytes": len(raw),
+                          "removed by": reason or "", "text": text or ""})
             kept += reason is None
             if kept == max_files:
                 break
@@ -263,7 +270,7 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
 @torch.no_grad()
 def sample(logits_fn: LogitsFn, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 1.0,
            top_k: int | None = None, generator: torch.Generator | None = None, eod_id: int | None = None,
-           seq_length: int | None = None, vocab_size: int | None = None) -> list[int]:
+           seq_length: int | None = None, vocab_size: int | None = None, num_samples: int | None = None):
     """Sample a continuation token by token, as nanoGPT's ``model.generate`` (called by ``sample.py``).
 
     Each step: logits of the last position / ``temperature``; with ``top_k``, logits below the
@@ -282,32 +289,43 @@ def sample(logits_fn: LogitsFn, prompt_ids: Sequence[int], max_new_tokens: int, 
         eod_id: stop when this token is drawn (it is not returned).
         seq_length: keep only the last ``seq_length`` tokens as context (the position table).
         vocab_size: never draw ids >= this (Megatron's padded vocab rows).
+        num_samples: draw this many continuations of the prompt at once, as one batch of rows
+            (``[num_samples, seq]`` per call: fewer, larger forward passes); a row that draws
+            ``eod_id`` stops there while the others go on.
 
     Returns:
-        The new token ids, without the prompt (``greedy_generate`` returns prompt + new).
+        The new token ids, without the prompt (``greedy_generate`` returns prompt + new); with
+        ``num_samples``, a list of ``num_samples`` such lists. The batch draws its random
+        numbers in another order than one-at-a-time calls, so its samples are others.
 
     Raises:
-        ValueError: an empty prompt, a negative temperature or ``top_k`` < 1.
+        ValueError: an empty prompt, a negative temperature, ``top_k`` < 1 or ``num_samples`` < 1.
     """
-    if not prompt_ids or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(f"need a prompt (got {len(prompt_ids)} ids), temperature >= 0 (got {temperature}) "
-                         f"and top_k >= 1 or None (got {top_k})")
-    ids, new = list(prompt_ids), []
+    if not prompt_ids or temperature < 0 or (top_k is not None and top_k < 1) or (num_samples is not None and num_samples < 1):
+        raise ValueError(f"need a prompt (got {len(prompt_ids)} ids), temperature >= 0 (got {temperature}), "
+                         f"top_k >= 1 or None (got {top_k}) and num_samples >= 1 or None (got {num_samples})")
+    rows = torch.tensor([list(prompt_ids)] * (num_samples or 1))
+    new: list[list[int]] = [[] for _ in range(len(rows))]
+    done = [False] * len(rows)
     for _ in range(max_new_tokens):
-        logits = logits_fn(torch.tensor([ids[-seq_length:] if seq_length else ids]))[0, -1, :vocab_size].float()
+        logits = logits_fn(rows[:, -seq_length:] if seq_length else rows)[:, -1, :vocab_size].float()
         if temperature == 0:
-            nxt = int(logits.argmax())
+            nxt = logits.argmax(-1)
         else:
             logits = logits / temperature
             if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        if nxt == eod_id:
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+        nxt = nxt.cpu()
+        for r, token in enumerate(nxt.tolist()):
+            done[r] = done[r] or token == eod_id
+            if not done[r]:
+                new[r].append(token)
+        if all(done):
             break
-        ids.append(nxt)
-        new.append(nxt)
-    return new
+        rows = torch.cat([rows, nxt[:, None]], dim=1)
+    return new if num_samples is not None else new[0]
 
 
 def distinct_n(ids: Sequence[int], n: int = 1) -> float:

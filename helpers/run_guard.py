@@ -155,9 +155,13 @@ _MANAGERS: list = []  # the forked Managers, kept alive for the life of the proc
 
 
 def _die_with(parent_pid: int) -> None:
-    """In the Manager's server process: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    """In the Manager's server process: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``),
+    and ignore SIGTERM and SIGINT, which a launcher sends to the whole process group: the trainer
+    saves a checkpoint on SIGTERM, through this server, before it exits."""
     import ctypes
 
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the Manager is still stopped at a normal exit
@@ -181,7 +185,8 @@ def fork_checkpoint_queue() -> bool:
 
     Returns:
         True when the queue was set; False when megatron-core has no such cache (another
-        version: its own behaviour stays) or a queue exists already.
+        version: its own behaviour stays), a queue exists already, or another thread runs
+        (forking then could copy a held lock into the server and hang it).
     """
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -190,7 +195,7 @@ def fork_checkpoint_queue() -> bool:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return False
-    if getattr(filesystem_async, "_results_queue", False) is not None:
+    if getattr(filesystem_async, "_results_queue", False) is not None or threading.active_count() > 1:
         return False
     manager = SyncManager(ctx=mp.get_context("fork"))
     manager.start(initializer=_die_with, initargs=(os.getpid(),))

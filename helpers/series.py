@@ -104,7 +104,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 #: Per-cell timeout (seconds) for papermill, by profile.
-CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 5400, "codeparrot-small": None}
+CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 7200, "codeparrot-small": None}
 
 
 class ParameterError(ValueError):

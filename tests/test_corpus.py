@@ -115,6 +115,8 @@ def _site_packages(tmp_path):
     files |= {"numpylike/tests/test_m.py": body(99), "pip/_vendor/packaging/version.py": body(50),
               "pip/_internal/main.py": body(51), "packaging/version.py": body(52), "tqdm/std.py": body(53),
               "six.py": body(54), "six-1.0.dist-info/RECORD.py": body(55), "__pycache__/x.py": body(56),
+              "scipylike/_external/packaging_version/version.py": body(57), "hub/utils/tqdm.py": body(58),
+              "hub/api.py": body(59), "__editable___proj_finder.py": body(60),
               "datalike/data.txt": "not python"}
     return _folder(tmp_path, files)
 
@@ -122,12 +124,13 @@ def _site_packages(tmp_path):
 def test_package_draw_keeps_held_out_packages_and_tests_out(tmp_path):
     root = _site_packages(tmp_path)
     drawn = corpus.draw_package_files(5, seed=1, folder=root)
-    assert sorted(drawn) == ["numpylike", "pip", "six"]
+    assert sorted(drawn) == ["hub", "numpylike", "pip", "six"]
+    assert [p.name for p in drawn["hub"]] == ["api.py"]
     assert len(drawn["numpylike"]) == 5 and [p.name for p in drawn["pip"]] == ["main.py"] and drawn["six"] == [root / "six.py"]
     everything = [str(p.relative_to(root)) for ps in drawn.values() for p in ps]
     assert not any("packaging" in p or "tqdm" in p or "tests" in p for p in everything)
     # one package's draw depends on the seed and its own name only, not on the other packages
-    alone = corpus.draw_package_files(5, seed=1, folder=root, exclude=("pip", "six", "tqdm", "packaging"))
+    alone = corpus.draw_package_files(5, seed=1, folder=root, exclude=("pip", "six", "tqdm", "packaging", "hub"))
     assert alone == {"numpylike": drawn["numpylike"]}
     assert corpus.draw_package_files(5, seed=2, folder=root)["numpylike"] != drawn["numpylike"]
     assert len(corpus.draw_package_files(50, seed=1, folder=root)["numpylike"]) == 12
@@ -140,9 +143,9 @@ def test_default_source_joins_installed_packages(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "site_packages_dir", lambda: root)
     result = corpus.collect_corpus(seed=3, package_files=4)
     from_packages = [d.path for d in result.documents if d.path.startswith(corpus.SITE_PACKAGES_PREFIX)]
-    assert result.packages == {"numpylike": 4, "pip": 1, "six": 1}
-    assert len(from_packages) == 6 and len(result.documents) > 300
-    assert all(corpus.document_file(result.source, d.path).read_text(encoding="utf-8") == d.content
+    assert result.packages == {"hub": 1, "numpylike": 4, "pip": 1, "six": 1} and result.packages_dir == str(root)
+    assert len(from_packages) == 7 and len(result.documents) > 300
+    assert all(corpus.document_file(result.source, d.path, result.packages_dir).read_text(encoding="utf-8") == d.content
                for d in result.documents[:50] + [d for d in result.documents if d.path in from_packages])
     assert corpus.collect_corpus(max_files=40, seed=3).packages == {}
     # a given source ignores package_files

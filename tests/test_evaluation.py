@@ -149,6 +149,21 @@ def test_top_k_draws_only_among_the_k_best_and_eod_stops():
         ev.sample(fn, [3], 1, temperature=-1)
 
 
+def test_a_batch_of_samples_is_many_single_samples():
+    fn = bigram(50)
+    greedy = ev.sample(fn, [3], 12, temperature=0)
+    assert ev.sample(fn, [3], 12, temperature=0, num_samples=3) == [greedy] * 3
+    batch = ev.sample(fn, [3], 30, temperature=1.5, top_k=4, generator=torch.Generator().manual_seed(1), num_samples=5)
+    assert len(batch) == 5 and len({tuple(b) for b in batch}) > 1  # the rows draw their own tokens
+    for out in batch:
+        for prev, nxt in zip([3] + out, out):
+            assert nxt in torch.topk(fn(torch.tensor(prev)), 4).indices.tolist()
+    stop_after_7 = lambda t: torch.nn.functional.one_hot(torch.where(t == 7, 0, 7), 50).float() * 9  # noqa: E731
+    assert ev.sample(stop_after_7, [3], 10, temperature=0, eod_id=0, num_samples=2) == [[7], [7]]
+    with pytest.raises(ValueError, match="num_samples >= 1"):
+        ev.sample(fn, [3], 1, num_samples=0)
+
+
 def test_parses_good_bad_and_trimmed_completions():
     prompt = "def f(x):\n"
     assert ev.parses(prompt, "    return x + 1\n")

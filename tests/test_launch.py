@@ -186,9 +186,13 @@ def test_the_checkpoint_queue_is_forked_fast_and_dies_with_the_trainer():
             "print(run_guard._MANAGERS[0]._process.pid, time.perf_counter() - t, flush=True); time.sleep(120)\n")
     trainer = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.PIPE, text=True)
+    server = None
     try:
         server, seconds = trainer.stdout.readline().split()
         assert float(seconds) < 2.0  # the spawned Manager takes 5-8 s on 2 cores: it re-imports the trainer
+        assert _alive(int(server))
+        os.kill(int(server), signal.SIGTERM)  # a launcher's SIGTERM to the group: the trainer still needs it to save
+        time.sleep(0.5)
         assert _alive(int(server))
         trainer.kill()
         trainer.wait()
@@ -198,6 +202,8 @@ def test_the_checkpoint_queue_is_forked_fast_and_dies_with_the_trainer():
         assert not _alive(int(server)), "the Manager's server outlived the killed trainer"
     finally:
         trainer.kill()
+        if server is not None and _alive(int(server)):
+            os.kill(int(server), signal.SIGKILL)
 
 
 def test_one_job_per_run_folder_and_the_message_names_it(tmp_path):
