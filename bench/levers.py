@@ -54,14 +54,11 @@ def matmul_gflops(dtype, m: int, k: int, n: int, repeats: int = 10) -> float:
     return 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def make_step(kind: str, seed: int = 1234) -> Callable[[], float]:
-    """A training step of the cpu-profile shape for side ``kind`` (fp32, bf16, compile)."""
+def make_step(kind: str, shape, seed: int = 1234) -> Callable[[], float]:
+    """A training step of model ``shape`` (a ``helpers.model.ModelConfig``) for side ``kind`` (fp32, bf16, compile)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from helpers import model as model_mod
-
-    shape = model_mod.profile("cpu")
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=shape.vocab_size, n_positions=shape.seq_length, n_embd=shape.hidden_size,
                      n_layer=shape.num_layers, n_head=shape.num_attention_heads, bos_token_id=0, eos_token_id=0,
@@ -101,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_mod.profile("cpu")
     m, k, n = 4 * shape.seq_length, shape.hidden_size, shape.vocab_size
     result["matmul_gflops"] = {"fp32": matmul_gflops(torch.float32, m, k, n), "bf16": matmul_gflops(torch.bfloat16, m, k, n)}
-    sides = {"fp32": make_step("fp32"), "bf16 autocast": make_step("bf16"), "torch.compile": make_step("compile")}
+    sides = {name: make_step(kind, shape) for name, kind in (("fp32", "fp32"), ("bf16 autocast", "bf16"),
+                                                              ("torch.compile", "compile"))}
     t0 = time.perf_counter()
     for _ in range(3):
         sides["torch.compile"]()  # compiles forward and backward

@@ -58,10 +58,6 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length"
 PROMPTS = ("def", "import", "class")
 
 
-def _cut(text: str, max_chars: int = 2500) -> str:
-    return text if len(text) <= max_chars else text[:text.rfind("\n", 0, max_chars) + 1]
-
-
 def held_out_sets(paths) -> dict[str, list[str]]:
     """The two sets notebook 07 scores (its defaults): validation documents and the unseen packages."""
     from helpers import corpus, evaluation, preprocess, tokenizer
@@ -72,8 +68,8 @@ def held_out_sets(paths) -> dict[str, list[str]]:
     files = evaluation.heldout_package_files(corpus.HELDOUT_PACKAGES, tok, {corpus.content_hash(d) for d in documents},
                                              max_files=5, more_filtering=paths.settings["more_filtering"],
                                              seed=paths.settings["seed"])
-    return {"valid": [_cut(d) for d in documents[valid_range[0]:valid_range[1]][:8]],
-            "unseen": [_cut(f["text"]) for f in files if not f["removed by"]]}
+    return {"valid": [evaluation.cut_at_line(d, 2500) for d in documents[valid_range[0]:valid_range[1]][:8]],
+            "unseen": [evaluation.cut_at_line(f["text"], 2500) for f in files if not f["removed by"]]}
 
 
 def judge(checkpoint_dir: Path, paths, sets: dict[str, list[str]], seed: int = 1234) -> dict[str, Any]:

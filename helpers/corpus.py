@@ -437,7 +437,8 @@ def list_python_files(folder: str | os.PathLike, exclude_dirs: Iterable[str] = (
     return files
 
 
-def _decode(raw: bytes) -> str | None:
+def decode_utf8(raw: bytes) -> str | None:
+    """``raw`` as text, or ``None`` when it is not valid UTF-8 (the ``not_utf8`` filter's input)."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -461,7 +462,7 @@ def read_jsonl(path: str | os.PathLike, text_key: str = CONTENT_KEY, max_docs: i
                 return
             if not raw.strip():
                 continue
-            line = _decode(raw)
+            line = decode_utf8(raw)
             where = f"{path}:{number}"
             count += 1
             if line is None:
@@ -546,7 +547,7 @@ def collect_corpus(
             files += [(p, SITE_PACKAGES_PREFIX + str(p.relative_to(site_packages_dir()))) for ps in drawn.values() for p in ps]
         rng.shuffle(files)
         for path, where in files[:max_files]:
-            raw.append((_decode(path.read_bytes()), where))
+            raw.append((decode_utf8(path.read_bytes()), where))
     else:
         raw = list(read_jsonl(root, text_key, max_files))
         rng.shuffle(raw)

@@ -213,6 +213,12 @@ def unigram_nats(train_ids, heldout_ids, vocab_size: int) -> float:
 
 
 # ---------------------------------------------------------------- the unseen set
+def cut_at_line(text: str, max_chars: int) -> str:
+    """``text`` if it has at most ``max_chars`` characters, else its start up to the last full line
+    within them (``""`` when the first line alone is longer)."""
+    return text if len(text) <= max_chars else text[:text.rfind("\n", 0, max_chars) + 1]
+
+
 def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Iterable[str], *, max_files: int,
                           more_filtering: bool, seed: int = 1234) -> list[dict]:
     """Read installed packages' ``.py`` files as an unseen set, cleaned as notebook 01 cleaned its corpus.
@@ -250,10 +256,7 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
         kept = 0
         for path in paths:
             raw = path.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
+            text = corpus.decode_utf8(raw)
             reason = corpus.rejection_reason(text, seen)
             if reason is None and more_filtering:
                 reason = corpus.heuristic_reason(text, len(text) / max(len(encode(tokenizer, text)), 1), seed)

@@ -302,3 +302,9 @@ def test_heldout_package_files_cleans_like_the_corpus(tok):
     assert len([f for f in again if not f["removed by"]]) == 3
     with pytest.raises(ValueError, match=r"\['no_such_package_here'\], not installed"):
         ev.heldout_package_files(["no_such_package_here"], tok, set(), max_files=3, more_filtering=False)
+
+
+def test_cut_at_line_keeps_whole_lines():
+    assert ev.cut_at_line("ab\ncd\nef\n", 100) == "ab\ncd\nef\n"
+    assert ev.cut_at_line("ab\ncd\nef\n", 7) == "ab\ncd\n"
+    assert ev.cut_at_line("abcdef\n", 3) == ""
