@@ -377,27 +377,28 @@ def draw_package_files(per_package: int, seed: int = 1234, folder: str | os.Path
         packages without a ``.py`` file are absent.
 
     Raises:
-        ValueError: ``per_package < 1``.
+        ValueError: ``per_package`` is not a whole number >= 1; ``exclude`` is a string or holds
+            an empty name (either would exclude far more than meant).
+        FileNotFoundError: ``folder`` is not a folder.
     """
-    if per_package < 1:
-        raise ValueError(f"package_files={per_package}: pass a positive number of files per package, or 0 for none")
+    if isinstance(per_package, bool) or not isinstance(per_package, int) or per_package < 1:
+        raise ValueError(f"package_files={per_package!r}: pass a whole number >= 1 of files per package (0 reads none)")
+    prefixes = () if isinstance(exclude, str) else tuple(exclude)
+    if isinstance(exclude, str) or not all(isinstance(e, str) and e for e in prefixes):
+        raise ValueError(f"exclude={exclude!r}: pass a tuple of package names, e.g. ('tqdm', 'packaging')")
     root = site_packages_dir() if folder is None else Path(folder)
-    prefixes = tuple(exclude)
+    if not root.is_dir():
+        raise FileNotFoundError(f"folder={str(root)!r} is not a folder: pass a site-packages folder, or None for this interpreter's")
 
-    def kept(path: Path) -> bool:
-        parts = path.relative_to(root).parts
-        return not set(STDLIB_EXCLUDED_DIRS).intersection(parts[:-1]) and not any(p.startswith(prefixes) for p in parts)
-
+    kept = lambda p: not (set(STDLIB_EXCLUDED_DIRS).intersection(p.relative_to(root).parts[:-1])  # noqa: E731
+                          or any(part.startswith(prefixes) for part in p.relative_to(root).parts))
     drawn: dict[str, list[Path]] = {}
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         name = entry.stem if entry.suffix == ".py" else entry.name
-        if (entry.name == "__pycache__" or entry.name.startswith("__editable__")
-                or entry.suffix in (".dist-info", ".egg-info")):
+        if entry.name == "__pycache__" or entry.name.startswith("__editable__") or entry.suffix in (".dist-info", ".egg-info"):
             continue
-        if entry.is_file():
-            files = [entry] if entry.suffix == ".py" and kept(entry) else []
-        else:
-            files = sorted(p for p in entry.rglob("*.py") if p.is_file() and kept(p))
+        files = (([entry] if entry.suffix == ".py" and kept(entry) else []) if entry.is_file()
+                 else sorted(p for p in entry.rglob("*.py") if p.is_file() and kept(p)))
         if files:
             drawn[name] = sorted(random.Random(f"{seed}:{name}").sample(files, min(per_package, len(files))))
     return drawn

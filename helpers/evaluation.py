@@ -126,12 +126,12 @@ def score_texts(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], seq_length
         :class:`Compression` (float64 sum of nats).
 
     Raises:
-        ValueError: no texts, an empty text, ``seq_length`` < 1, a stride outside
+        ValueError: no texts, an empty text, ``seq_length``, ``batch_size`` or ``vocab_size`` < 1, a stride outside
             ``1..seq_length``, or a text the tokenizer does not round-trip (its bytes would not
             be the bytes scored).
     """
-    if not texts or seq_length < 1:
-        raise ValueError(f"need texts (got {len(texts)}) and seq_length >= 1 (got {seq_length})")
+    if not texts or seq_length < 1 or batch_size < 1 or (vocab_size is not None and vocab_size < 1):
+        raise ValueError(f"need texts (got {len(texts)}), seq_length={seq_length}, batch_size={batch_size} >= 1, vocab_size={vocab_size} >= 1 or None")
     stride = seq_length if stride is None else stride
     if not 1 <= stride <= seq_length:
         raise ValueError(f"stride={stride}: pass 1 <= stride <= seq_length ({seq_length}), or None for seq_length")
@@ -236,12 +236,15 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
         ``bytes`` (UTF-8), ``removed by`` (the filter's name, ``""`` when kept) and ``text``.
 
     Raises:
-        ValueError: a package is not installed (the message names it).
+        ValueError: a package is not installed, or has no ``.py`` source (a built-in or compiled
+            module; the message names it); ``packages`` is a string; ``max_files`` < 1.
     """
     import importlib.util
 
     from helpers import corpus
 
+    if isinstance(packages, str) or max_files < 1:
+        raise ValueError(f"packages={packages!r}, max_files={max_files!r}: pass a list of package names and max_files >= 1")
     if missing := [p for p in packages if importlib.util.find_spec(p) is None]:
         raise ValueError(f"heldout_packages names {missing}, not installed here: name installed packages (pip list)")
     seen, files = set(seen_hashes), []
@@ -251,15 +254,15 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
             folder = Path(next(iter(spec.submodule_search_locations)))
             paths = sorted(p for p in folder.rglob("*.py")
                            if not set(corpus.STDLIB_EXCLUDED_DIRS).intersection(p.relative_to(folder).parts[:-1]))
-        else:
+        elif spec.origin and spec.origin.endswith(".py"):
             folder, paths = Path(spec.origin).parent, [Path(spec.origin)]
+        else:
+            raise ValueError(f"heldout_packages names {package!r}, a built-in or compiled module with no .py source ({spec.origin})")
         kept = 0
         for path in paths:
-            raw = path.read_bytes()
-            text = corpus.decode_utf8(raw)
-            reason = corpus.rejection_reason(text, seen)
-            if reason is None and more_filtering:
-                reason = corpus.heuristic_reason(text, len(text) / max(len(encode(tokenizer, text)), 1), seed)
+            text = corpus.decode_utf8(raw := path.read_bytes())
+            reason = corpus.rejection_reason(text, seen) or (  # heuristics only for a text the six filters kept
+                corpus.heuristic_reason(text, len(text) / max(len(encode(tokenizer, text)), 1), seed) if more_filtering else None)
             files.append({"package": package, "file": str(path.relative_to(folder)), "bytes": len(raw),
                           "removed by": reason or "", "text": text or ""})
             kept += reason is None

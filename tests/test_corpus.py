@@ -136,6 +136,12 @@ def test_package_draw_keeps_held_out_packages_and_tests_out(tmp_path):
     assert len(corpus.draw_package_files(50, seed=1, folder=root)["numpylike"]) == 12
     with pytest.raises(ValueError, match="package_files=0"):
         corpus.draw_package_files(0, folder=root)
+    with pytest.raises(ValueError, match="package_files=1.5"):
+        corpus.draw_package_files(1.5, folder=root)
+    with pytest.raises(ValueError, match="exclude='tqdm'"):  # a string would exclude every name starting t, q, d or m
+        corpus.draw_package_files(5, folder=root, exclude="tqdm")
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        corpus.draw_package_files(5, folder=root / "nope")
 
 
 def test_default_source_joins_installed_packages(tmp_path, monkeypatch):

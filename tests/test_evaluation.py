@@ -108,6 +108,8 @@ def test_a_sliding_window_scores_every_token_once_with_more_context(tok, held_ou
 def test_score_texts_refuses_bad_input(tok):
     with pytest.raises(ValueError, match="text 0 is empty"):
         ev.score_texts(bigram(len(tok)), tok, [""], 8)
+    with pytest.raises(ValueError, match="batch_size=-1 >= 1"):  # batch_size -1 scored nothing: 0 bits per byte
+        ev.score_texts(bigram(len(tok)), tok, [TEXT], 8, batch_size=-1)
     with pytest.raises(ValueError, match="seq_length"):
         ev.score_texts(bigram(len(tok)), tok, [TEXT], 0)
 
@@ -300,6 +302,10 @@ def test_heldout_package_files_cleans_like_the_corpus(tok):
                                      more_filtering=False)
     assert next(f for f in again if f["file"] == kept[0]["file"])["removed by"] == "duplicate"
     assert len([f for f in again if not f["removed by"]]) == 3
+    with pytest.raises(ValueError, match="'math', a built-in or compiled module"):
+        ev.heldout_package_files(["math"], tok, set(), max_files=3, more_filtering=False)
+    with pytest.raises(ValueError, match="max_files >= 1"):
+        ev.heldout_package_files(["packaging"], tok, set(), max_files=0, more_filtering=False)
     with pytest.raises(ValueError, match=r"\['no_such_package_here'\], not installed"):
         ev.heldout_package_files(["no_such_package_here"], tok, set(), max_files=3, more_filtering=False)
 
