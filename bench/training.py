@@ -49,28 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from helpers import preflight
 
 OUT_DIR = "bench_training"
 SIDES = ("megatron", "megatron_unfused", "trainer")
-
-#: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs, for MFU. Sources: NVIDIA
-#: data sheets (A100: 312 TFLOP/s; H100/H200 SXM: 989 TFLOP/s; H100 PCIe: 756; L40S: 362).
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-    "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-}
-
-
-def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
-    """Peak dense bf16 FLOP/s of ``device_name`` (``torch.cuda.get_device_name()``), or
-    ``override_tflops x 1e12``; ``None`` when the GPU is not in :data:`PEAK_BF16_FLOPS`."""
-    if override_tflops:
-        return override_tflops * 1e12
-    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in device_name:
-            return PEAK_BF16_FLOPS[key]
-    return None
-
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, 0..1).
@@ -326,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from helpers.model import flops_per_token
 
     fpt = flops_per_token(cfg.model)
-    peak = peak_flops(torch.cuda.get_device_name(), args.peak_tflops) if args.device == "cuda" else None
+    peak = preflight.peak_flops(torch.cuda.get_device_name(), args.peak_tflops) if args.device == "cuda" else None
     sides = {}
     for side in active:
         s = stats[side].summary()

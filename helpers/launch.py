@@ -367,7 +367,8 @@ _ITER_LINE = "iteration "
 
 def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
            master_port: int | None = None, progress: bool = True, echo: bool = False,
-           config_name: str = "run.json", env: dict[str, str] | None = None) -> TrainingResult:
+           config_name: str = "run.json", env: dict[str, str] | None = None,
+           max_epochs: float | None = None) -> TrainingResult:
     """Write ``run.json`` into the run folder and run the training script under torchrun, with a progress bar.
 
     ``cfg`` is a :class:`helpers.training_config.TrainingConfig`; the command is
@@ -385,6 +386,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         progress: show a tqdm bar over iterations; ``echo`` also prints every log line.
         env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
             bit-identical only between runs with the same thread count).
+        max_epochs: refuse a run that would read its training data more often than this
+            (:func:`helpers.preflight.check_repeats`; None or 0: no limit).
 
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
@@ -392,10 +395,11 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         run_guard.RunFolderBusyError: another job trains ``cfg.run_path`` (named in the message).
         ValueError: also when the folder holds a finished run trained with other settings.
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
+        helpers.preflight.RepeatedDataError: more than ``max_epochs`` epochs (nothing started).
     """
     from tqdm.auto import tqdm
 
-    from helpers import checkpointing
+    from helpers import checkpointing, preflight
     from helpers.metrics import read_metrics
     from helpers.training_config import check_resume_schedule, check_same_run
 
@@ -412,6 +416,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:
         check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun
+    if max_epochs:
+        preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
     config_path = cfg.to_json(cfg.run_path / config_name)
     bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
     info: dict[str, str] = {}

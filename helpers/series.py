@@ -56,6 +56,18 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "03_training": {"train_iters": 12000, "lr_warmup_iters": 500, "eval_interval": 1000, "save_interval": 2000,
                         "sample_interval": 2000, "log_interval": 100, "timeout_s": 5400},
     },
+    # one GPU, the guide's 110M model (helpers.training_config.PROFILES["gpu"]) on a corpus of every
+    # package's files (up to 1,000 each) so that 197M training tokens repeat it a few times, not thousands
+    "gpu": {
+        "01_data_preprocessing": {"vocab_size": 32768, "package_files": 1000},
+        "02_data_loader": {"seq_length": 1024, "global_batch_size": 64},
+        "03_training": {
+            "num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024, "dropout": 0.1,
+            "micro_batch_size": 8, "global_batch_size": 64, "train_iters": 3000, "lr": 6e-4, "min_lr": 6e-5,
+            "lr_warmup_iters": 300, "log_interval": 50, "eval_interval": 500, "eval_iters": 10, "save_interval": 1000,
+            "sample_interval": 500, "timeout_s": 7200,
+        },
+    },
     "codeparrot-small": {
         "01_data_preprocessing": {"vocab_size": 32768},
         "02_data_loader": {"seq_length": 1024, "global_batch_size": 192},
@@ -104,7 +116,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 #: Per-cell timeout (seconds) for papermill, by profile.
-CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 7200, "codeparrot-small": None}
+CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 7200, "gpu": 7200, "codeparrot-small": None}
 
 
 class ParameterError(ValueError):
@@ -126,11 +138,12 @@ class NotebookRun:
 
 
 def default_profile() -> str:
-    """``codeparrot-small`` when a CUDA GPU is visible, else ``cpu``."""
+    """``gpu`` when a CUDA GPU is visible, else ``cpu``; ``codeparrot-small`` (the guide's 12-hour
+    recipe) only when asked for."""
     try:
         import torch
 
-        return "codeparrot-small" if torch.cuda.is_available() else "cpu"
+        return "gpu" if torch.cuda.is_available() else "cpu"
     except ImportError:
         return "cpu"
 
@@ -377,6 +390,7 @@ def run(
               f"which {folder} lacks.", flush=True)
         selected = sorted(selected + [p for p in notebooks() if p.stem in before])
     params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
+    _print_preflight(selected, params, folder)  # refuses a run that repeats its data too often, if the data exists
     results.run_path(folder)
     report.record_start(folder, profile=profile, overrides=overrides, notebooks=[p.stem for p in notebooks()])
     latest = RUNS_DIR / "latest"
@@ -412,6 +426,31 @@ def run(
     print(f"  results:            {folder / results.SUMMARY_FILE}")
     print(f"  report card:        {_report_card(report.finish, folder)}")
     return done
+
+
+def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], folder: Path) -> None:
+    """Print notebook 03's preflight (:mod:`helpers.preflight`) for the parameters it will get.
+
+    Raises:
+        ParameterError: the data exists and the run would read it more than ``max_epochs`` times.
+    """
+    from helpers import preflight, preprocess
+
+    path = next((p for p in selected if p.stem == "03_training"), None)
+    if path is None:
+        return
+    values = {n: ast.literal_eval(i["default"]) for n, i in notebook_parameters(path).items()} | params[path.stem]
+    try:
+        vocab = preprocess.data_paths(folder).vocab_size
+    except FileNotFoundError:  # notebook 01 runs first: its vocab_size parameter
+        first = next(p for p in notebooks() if p.stem == "01_data_preprocessing")
+        vocab = params.get(first.stem, {}).get("vocab_size") or ast.literal_eval(notebook_parameters(first)["vocab_size"]["default"])
+    plan = preflight.plan_for_parameters(values, vocab, folder)
+    print("Preflight of 03_training (helpers/preflight.py):\n  " + plan.text().replace("\n", "\n  "), flush=True)
+    try:
+        preflight.check_repeats(plan, values.get("max_epochs", preflight.MAX_EPOCHS))
+    except preflight.RepeatedDataError as err:
+        raise ParameterError(f"{err} (-p max_epochs=0)") from None
 
 
 def _report_card(write, folder: Path) -> Path | str:
@@ -461,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="execute the notebooks with papermill")
     run_p.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                       help="parameter profile (default: codeparrot-small with a GPU, else cpu)")
+                       help="parameter profile (default: gpu with a GPU, else cpu; codeparrot-small is the guide's full run)")
     run_p.add_argument("-p", "--param", action="append", default=[], metavar="NAME=VALUE",
                        help="override a notebook parameter (NAME or NN_stem.NAME); repeatable")
     run_p.add_argument("--run-dir", default=None, help="run folder (default runs/<profile>-<time>)")

@@ -14,6 +14,7 @@ from bench import common
 from bench import preprocess as bench_pre
 from bench import series as bench_series
 from bench import training as bench_train
+from helpers import preflight
 
 ALLOC = "import numpy as np, time; a = np.ones({n}, dtype=np.uint8); time.sleep({s})"
 
@@ -182,10 +183,10 @@ def test_timed_iterations_drop_the_warmup():
 
 
 def test_mfu_and_peak_flops():
-    assert bench_train.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert bench_train.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert bench_train.peak_flops("Some GPU") is None
-    assert bench_train.peak_flops("Some GPU", 100.0) == 100e12
+    assert preflight.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert preflight.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert preflight.peak_flops("Some GPU") is None
+    assert preflight.peak_flops("Some GPU", 100.0) == 100e12
     assert bench_train.mfu(1e9, 1e5, 1e15) == pytest.approx(0.1)
     assert bench_train.mfu(1e9, 1e5, None) is None
 

@@ -14,10 +14,10 @@ CFG = training_config.TrainingConfig()
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(train_iters=2.5), r"^train_iters=2.5 is a float, not int \(e.g. 200\)"),  # blamed lr_warmup_iters before
+    (dict(train_iters=2.5), r"^train_iters=2.5 is a float, not int \(e.g. 1000\)"),  # blamed lr_warmup_iters before
     (dict(micro_batch_size="4"), r"^micro_batch_size='4' is a str, not int"),  # a bare "unsupported operand" before
     (dict(global_batch_size=True), r"^global_batch_size=True is a bool, not int"),
-    (dict(save_interval=2.5), r"^save_interval=2.5 is a float, not int \| None \(e.g. 100\)"),
+    (dict(save_interval=2.5), r"^save_interval=2.5 is a float, not int \| None \(e.g. 250\)"),
     (dict(lr="1e-3"), r"^lr='1e-3' is a str, not float"),
     (dict(use_megatron_ddp="false"), r"^use_megatron_ddp='false' is a str, not bool"),
     (dict(model=replace(CFG.model, num_layers=2.0)), r"^model.num_layers=2.0 is a float, not int \(e.g. 4\)"),

@@ -5,7 +5,7 @@ Notebook 05, section 3 ("Pipeline parallelism: stages, micro-batches and the bub
 :func:`schedule_stats` measures its idle fraction and the activations each stage holds,
 :func:`plot_schedule` draws both timelines and :func:`bubble_table` sets the simulated bubble
 next to the formula :func:`bubble_fraction`. Section 5's memory calculator
-(:mod:`helpers.demos.memory`) uses the same micro-batches-in-flight result.
+(:mod:`helpers.memory`) uses the same micro-batches-in-flight result.
 
 Sources: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (arXiv:2104.04473) section 2.2 (1F1B, the bubble); Huang et al. 2019,

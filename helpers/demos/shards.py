@@ -4,7 +4,7 @@ Notebook 05, section 2 ("Tensor parallelism: what each rank holds"): :func:`insp
 builds the model on real ranks (TP=2 x PP=2, 4 processes under torchrun),
 :func:`shard_table` shows every parameter's full and local shape and split dimension, and
 :func:`rank_summary` sets each rank's parameter count and all-reduce count next to the
-formulas (:func:`helpers.demos.memory.parameters_per_rank`, :func:`expected_tp_allreduces`).
+formulas (:func:`helpers.memory.parameters_per_rank`, :func:`expected_tp_allreduces`).
 
 Entry point (started by torchrun through :mod:`helpers.launch`)::
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.demos.layout_runs import launch_env
-from helpers.demos.memory import parameters_per_rank
+from helpers.memory import parameters_per_rank
 from helpers.model import Layout, ModelConfig, build_model, check_layout
 
 

@@ -1,0 +1,209 @@
+"""Preflight: what a training run will cost, worked out before any process starts.
+
+Notebook 03 and the series runner print it before training: tokens per epoch of the training
+split, the epochs the run will make over it, tokens in all, memory per GPU (notebook 05's memory
+calculator, :func:`helpers.memory.memory_per_gpu`) and an estimated wall time from a
+stated throughput. A run that would repeat its training data more than ``max_epochs`` times is
+refused with :class:`RepeatedDataError` unless the caller raises the limit (``max_epochs=0``:
+no limit). The guide's full recipe (``codeparrot-small``: 150,000 x 192 x 1024 tokens) over
+this machine's corpus of a few million tokens is such a run: thousands of epochs.
+
+Sources: Muennighoff et al. 2023, "Scaling Data-Constrained Language Models"
+(arXiv:2305.16264), sections 5-6 (up to about 4 epochs are worth nearly as much as new data;
+the value of further repeats decays to almost nothing past about 16): :data:`MAX_EPOCHS`.
+Narayanan et al. 2021 (FLOPs per token, :func:`helpers.model.flops_per_token`); Chowdhery et
+al. 2022 (PaLM), appendix B (MFU); NVIDIA data sheets (:data:`PEAK_BF16_FLOPS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helpers import model as model_lib
+from helpers import preprocess
+
+#: Default limit on epochs over the training split (Muennighoff et al. 2023: past about 16
+#: repeats, more compute on the same data is worth almost nothing).
+MAX_EPOCHS = 16.0
+
+#: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs. Sources: NVIDIA data sheets
+#: (A100: 312 TFLOP/s; H100/H200 SXM: 989; H100 PCIe: 756; L40S: 362; A10G: 125; L4: 121).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+    "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+}
+
+#: Stated throughputs behind the time estimate (not measured on the machine at hand):
+#: on a GPU, this share of its peak (the issue's target for the guide's model on one H100/H200
+#: is about 40 %; 30 % leaves headroom); on a CPU, model FLOP/s per thread, measured for the
+#: cpu profile on a 2-core AMD EPYC (88.5 GFLOP/s on 2 threads, the cpu-long run of 2026-12-01).
+STATED_GPU_MFU = 0.30
+STATED_CPU_FLOPS_PER_THREAD = 44e9
+
+
+class RepeatedDataError(ValueError):
+    """The run would read its training data more than ``max_epochs`` times."""
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of ``device_name`` (``torch.cuda.get_device_name()``), or
+    ``override_tflops x 1e12``; ``None`` when the GPU is not in :data:`PEAK_BF16_FLOPS`."""
+    if override_tflops:
+        return override_tflops * 1e12
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def train_tokens_per_epoch(data_prefix: str | Path, num_documents: int, split: str) -> int:
+    """Tokens in the training part of ``split`` of the ``.bin/.idx`` at ``data_prefix``.
+
+    The training documents are the first range of :func:`helpers.preprocess.split_document_ranges`
+    (megatron-core's ``get_split_indices``); their lengths are read from the ``.idx``
+    (megatron-core ``IndexedDataset.sequence_lengths``). One epoch of a ``GPTDataset`` is these
+    tokens cut into samples of ``seq_length + 1`` (megatron-core ``gpt_dataset.py``).
+
+    Raises:
+        FileNotFoundError: no ``.bin/.idx`` at ``data_prefix`` (run notebook 01).
+    """
+    train = preprocess.split_document_ranges(num_documents, split)[0]
+    if train is None:
+        return 0
+    ds = preprocess.open_indexed_dataset(data_prefix)  # kept alive: its __del__ closes the mmap the lengths view
+    return int(ds.sequence_lengths[train[0]:train[1]].sum())
+
+
+@dataclass
+class Preflight:
+    """What a run will do (units in the names: tokens, bytes, seconds, FLOP/s).
+
+    ``tokens_per_epoch``, ``epochs``: None when the data is not made yet. ``memory_per_gpu_bytes``:
+    weights, gradients, optimizer state and activations of the largest stage (no allocator or
+    communication buffers). ``flops_per_s``: the stated rate behind ``estimated_seconds``
+    (None for a GPU missing from :data:`PEAK_BF16_FLOPS`), described by ``rate_source``.
+    """
+
+    device: str
+    precision: str
+    tokens_per_iteration: int
+    train_tokens: int
+    tokens_per_epoch: int | None
+    epochs: float | None
+    memory_per_gpu_bytes: float
+    flops_per_token: int
+    flops_per_s: float | None
+    rate_source: str
+    estimated_seconds: float | None
+
+    def rows(self) -> list[tuple[str, str]]:
+        """``(what, value)`` pairs for a printed table."""
+        sec = self.estimated_seconds
+        est = ("unknown" if sec is None else f"{sec:,.0f} s" if sec < 120 else f"{sec / 60:,.1f} min" if sec < 7200
+               else f"{sec / 3600:,.1f} h" if sec < 172800 else f"{sec / 86400:,.0f} days")
+        per = "GPU" if self.device.startswith("cuda") else "process"
+        return [("device, precision", f"{self.device}, {self.precision}"),
+                ("tokens per iteration", f"{self.tokens_per_iteration:,}"),
+                ("tokens in all", f"{self.train_tokens:,}"),
+                ("training tokens per epoch", "not made yet" if self.tokens_per_epoch is None else f"{self.tokens_per_epoch:,}"),
+                ("epochs over the training data", "unknown" if self.epochs is None else
+                 f"{self.epochs:,.2f}" if self.epochs >= 0.01 else f"{self.epochs:.1e}"),
+                (f"memory per {per} (estimate)", f"{self.memory_per_gpu_bytes / 2**30:,.2f} GiB"),
+                ("estimated training time", f"{est} ({self.rate_source})")]
+
+    def text(self) -> str:
+        """The rows as aligned lines."""
+        return "\n".join(f"{k:<32} {v}" for k, v in self.rows())
+
+
+def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, device: str | None = None,
+              threads: int | None = None) -> Preflight:
+    """Work out ``cfg``'s run (a :class:`helpers.training_config.TrainingConfig`) on ``nproc`` processes.
+
+    Args:
+        tokens_per_epoch: training tokens of the data; default read from ``cfg.data_prefix_path``
+            when its ``.idx`` and the run folder's data manifest exist (else left unknown).
+        device: ``"cuda:<name>"`` or ``"cpu"``; default this machine's.
+        threads: CPU threads per process for the estimate (default ``torch.get_num_threads()``).
+
+    Raises:
+        ValueError: a layout or batch the model and ``nproc`` cannot make (as :meth:`TrainingConfig.check`).
+    """
+    import torch
+
+    from helpers.memory import memory_per_gpu
+    from helpers.training_config import num_microbatches, resolve_precision
+
+    if device is None:
+        device = f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
+    precision = resolve_precision(cfg.precision) if cfg.precision == "auto" else cfg.precision
+    dp = cfg.data_parallel_size(nproc)
+    layout = model_lib.Layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, dp)
+    memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
+                            num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp))
+    if tokens_per_epoch is None and cfg.data_prefix is None:  # the run folder's own data, if made
+        try:
+            paths = preprocess.data_paths(cfg.run_path)
+            tokens_per_epoch = train_tokens_per_epoch(paths.data_prefix, paths.num_documents, paths.split)
+        except FileNotFoundError:
+            tokens_per_epoch = None
+    per_iteration = cfg.global_batch_size * cfg.model.seq_length
+    total = per_iteration * cfg.train_iters
+    fpt = model_lib.flops_per_token(cfg.model)
+    if device.startswith("cuda"):
+        peak = peak_flops(device)
+        rate = None if peak is None else peak * STATED_GPU_MFU * nproc
+        source = (f"stated: {STATED_GPU_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s x {nproc} GPU" if peak else
+                  f"no peak known for {device}: add it to preflight.PEAK_BF16_FLOPS")
+    else:
+        threads = threads or torch.get_num_threads()
+        rate = STATED_CPU_FLOPS_PER_THREAD * threads
+        source = f"stated: {STATED_CPU_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s per CPU thread x {threads}"
+    return Preflight(device=device, precision=precision, tokens_per_iteration=per_iteration, train_tokens=total,
+                     tokens_per_epoch=tokens_per_epoch, epochs=total / tokens_per_epoch if tokens_per_epoch else None,
+                     memory_per_gpu_bytes=memory.total, flops_per_token=fpt, flops_per_s=rate, rate_source=source,
+                     estimated_seconds=total * fpt / rate if rate else None)
+
+
+def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: str | Path) -> Preflight:
+    """The preflight of notebook 03 run with ``parameters`` (its parameters cell's names and values).
+
+    Every parameter named like a :class:`~helpers.training_config.TrainingConfig` or
+    :class:`~helpers.model.ModelConfig` field is used as such, on the training profile named by
+    ``parameters["profile"]`` (``cpu`` for profiles that have none); the series runner calls
+    this before the first notebook starts.
+    """
+    import dataclasses
+
+    import torch
+
+    from helpers import training_config
+
+    base = parameters.get("profile") if parameters.get("profile") in training_config.PROFILES else "cpu"
+    model_names = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
+    names = {f.name for f in dataclasses.fields(training_config.TrainingConfig)} - {"model", "run_dir"}
+    model = {k: v for k, v in parameters.items() if k in model_names} | {"vocab_size": vocab_size}
+    model["max_position_embeddings"] = model.get("seq_length", training_config.PROFILES[base].model.seq_length)
+    cfg = training_config.profile(base, str(run_dir), model=model, **{k: v for k, v in parameters.items() if k in names})
+    return preflight(cfg, nproc=parameters.get("nproc_per_node") or max(1, torch.cuda.device_count()))
+
+
+def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
+    """Refuse a run that reads its training data more than ``max_epochs`` times (0: no limit).
+
+    Raises:
+        RepeatedDataError: ``plan.epochs > max_epochs`` (the message gives both ways out).
+    """
+    if max_epochs and plan.epochs is not None and plan.epochs > max_epochs:
+        raise RepeatedDataError(
+            f"this run reads {plan.train_tokens:,} tokens, {plan.epochs:,.1f} epochs of the {plan.tokens_per_epoch:,} "
+            f"training tokens, more than max_epochs={max_epochs:g} (Muennighoff et al. 2023: repeats past about 16 "
+            "add almost nothing). Train fewer iterations or on more data (notebook 01: source=, package_files=), "
+            "or pass max_epochs=0 to run it anyway. Nothing was started.")
+
+
+def summary(plan: Preflight) -> dict[str, Any]:
+    """The plan as a JSON-ready dict (recorded in the run's results)."""
+    return {k: getattr(plan, k) for k in plan.__dataclass_fields__}

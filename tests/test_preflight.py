@@ -1,0 +1,103 @@
+"""helpers.preflight: the epochs, tokens, memory and time a run will cost, and the refusal of a
+run that repeats its data too often (notebook 03, launch.train and the series runner)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import launch, memory, model, preflight, preprocess, series, training_config
+
+
+@pytest.fixture(scope="module")
+def run_with_data(tmp_path_factory):
+    """A run folder whose data/ notebook 01's stage made: 60 stdlib files, BPE of 512."""
+    from helpers import data_stage
+
+    run = tmp_path_factory.mktemp("preflight-run")
+    data_stage.build_data(run, max_files=60, vocab_size=512, split="90,8,2", progress=False)
+    return run
+
+
+def test_tokens_per_epoch_are_the_training_documents_of_the_idx(run_with_data):
+    paths = preprocess.data_paths(run_with_data)
+    ds = preprocess.open_indexed_dataset(paths.data_prefix)
+    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+    first, end = preprocess.split_document_ranges(paths.num_documents, "90,8,2")[0]
+    assert first == 0 and 0 < end < paths.num_documents
+    expected = int(lengths[:end].sum())
+    assert preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, "90,8,2") == expected
+    assert expected < int(lengths.sum())  # the validation and test documents are not counted
+    assert preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, "0,1,0") == 0
+
+
+def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
+    cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512}, train_iters=50)
+    plan = preflight.preflight(cfg, nproc=1, device="cpu", threads=2)
+    paths = preprocess.data_paths(run_with_data)
+    per_epoch = preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, paths.split)
+    assert plan.tokens_per_iteration == 4 * 128 and plan.train_tokens == 50 * 4 * 128
+    assert plan.tokens_per_epoch == per_epoch and plan.epochs == pytest.approx(50 * 512 / per_epoch)
+    expected_memory = memory.memory_per_gpu(cfg.model, model.Layout(1, 1, 1), micro_batch_size=4, precision="fp32")
+    assert plan.memory_per_gpu_bytes == expected_memory.total > 0
+    assert plan.estimated_seconds == pytest.approx(
+        50 * 512 * model.flops_per_token(cfg.model) / (2 * preflight.STATED_CPU_FLOPS_PER_THREAD))
+    text = plan.text()
+    assert f"{per_epoch:,}" in text and "stated: 44 GFLOP/s per CPU thread x 2" in text
+
+
+def test_gpu_estimate_uses_the_peak_and_an_unknown_gpu_has_none():
+    cfg = training_config.profile("gpu", "/nonexistent-run", model={"vocab_size": 32768}, precision="fp32")
+    h200 = preflight.preflight(cfg, nproc=1, tokens_per_epoch=40_000_000, device="cuda:NVIDIA H200")
+    assert h200.train_tokens == 3000 * 64 * 1024 and h200.epochs == pytest.approx(196_608_000 / 40e6)
+    rate = 989e12 * preflight.STATED_GPU_MFU
+    assert h200.estimated_seconds == pytest.approx(196_608_000 * model.flops_per_token(cfg.model) / rate)
+    assert 5 * 60 < h200.estimated_seconds < 20 * 60  # the profile's design: a run of minutes on one GPU
+    other = preflight.preflight(cfg, nproc=1, tokens_per_epoch=None, device="cuda:Some GPU")
+    assert other.estimated_seconds is None and other.epochs is None and "PEAK_BF16_FLOPS" in other.text()
+
+
+def test_a_run_that_repeats_its_data_too_often_is_refused_unless_asked():
+    cfg = training_config.profile("codeparrot-small", "/nonexistent-run", model={"vocab_size": 8192}, precision="fp32")
+    plan = preflight.preflight(cfg, nproc=8, tokens_per_epoch=5_675_565, device="cpu", threads=2)
+    assert plan.epochs == pytest.approx(150_000 * 192 * 1024 / 5_675_565)  # the guide over this corpus: ~5,200
+    with pytest.raises(preflight.RepeatedDataError, match=r"5,196.2 epochs .* max_epochs=16 .*max_epochs=0"):
+        preflight.check_repeats(plan)
+    preflight.check_repeats(plan, max_epochs=0)  # asked for: no limit
+    preflight.check_repeats(plan, max_epochs=6000)
+    unknown = preflight.preflight(cfg, nproc=8, tokens_per_epoch=None, device="cpu")
+    preflight.check_repeats(unknown)  # no data yet: nothing to refuse (notebook 03 checks once it exists)
+
+
+def test_launch_train_refuses_before_anything_starts(run_with_data):
+    cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512, "num_layers": 1,
+                                  "hidden_size": 32, "num_attention_heads": 2, "seq_length": 64,
+                                  "max_position_embeddings": 64},
+                                  split="90,8,2", train_iters=100_000, save_interval=None)
+    with pytest.raises(preflight.RepeatedDataError, match="Nothing was started"):
+        launch.train(cfg, max_epochs=16.0, progress=False)
+    assert not (run_with_data / "run.json").exists() and not (run_with_data / "training.log").exists()
+
+
+def test_the_runner_prints_the_plan_and_refuses_the_guides_run_over_a_small_corpus(run_with_data, capsys):
+    with pytest.raises(series.ParameterError, match=r"epochs .* max_epochs=16.*-p max_epochs=0"):
+        series.run("codeparrot-small", run_dir=run_with_data, only=["03"])
+    out = capsys.readouterr().out
+    assert "Preflight of 03_training" in out and "29,491,200,000" in out  # 150,000 x 192 x 1,024 tokens
+    assert not (run_with_data / "executed").exists()  # refused before any notebook ran
+
+
+def test_gpu_is_the_default_profile_with_a_gpu_and_matches_its_training_profile(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert series.default_profile() == "gpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert series.default_profile() == "cpu"
+    runner = series.PROFILES["gpu"]["03_training"]
+    cfg = training_config.PROFILES["gpu"]
+    for name in ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
+                 "eval_interval", "eval_iters", "save_interval", "sample_interval", "log_interval"):
+        assert runner[name] == getattr(cfg, name), name
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        assert runner[name] == getattr(cfg.model, name) == getattr(model.PROFILES["codeparrot-small"], name), name
+    assert series.PROFILES["gpu"]["01_data_preprocessing"]["vocab_size"] == cfg.model.vocab_size
