@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc venv-python
+.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -39,6 +39,12 @@ test: install
 
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/
+
+# On a machine with an NVIDIA GPU, a few minutes: the gpu profile's throughput and MFU in bf16,
+# TP=2 against TP=1 (two GPUs), conversion exactness on the GPU; one table (bench/gpu_check.py).
+# Inside the NGC container: make install-ngc, then python -m bench.gpu_check.
+gpu-check: install
+	$(PY) -m bench.gpu_check $(ARGS)
 
 # Inside NVIDIA's NGC PyTorch container (26.09: Python 3.12): keep the container's torch (and its
 # Apex / Transformer Engine builds) and every package its pip constraint file (PIP_CONSTRAINT)

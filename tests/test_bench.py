@@ -273,3 +273,26 @@ def test_finish_writes_the_json_and_prints_the_report(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "r.json").read_text()) == {"ratio": 1.5}
     out = capsys.readouterr().out
     assert "| ratio | 1.5x |" in out and f"result: {tmp_path / 'out' / 'r.json'}" in out
+
+
+@pytest.mark.skipif(bench_train.cuda_available(), reason="checks the message printed without CUDA")
+def test_gpu_check_says_it_could_not_run_without_cuda(tmp_path, capsys):
+    from bench import gpu_check
+
+    assert gpu_check.main(["--run-dir", str(tmp_path / "g")]) == 2
+    assert "could not run: CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists()  # nothing was made
+
+
+def test_gpu_check_runs_end_to_end_with_a_tiny_model_on_cpu(tmp_path, capsys):
+    """--cpu-smoke: data, training, TP=2 against TP=1 and conversion, with the real code paths."""
+    from bench import gpu_check
+
+    assert gpu_check.main(["--cpu-smoke", "--iters", "6", "--tp-iters", "3", "--run-dir", str(tmp_path / "g")]) == 0
+    result = json.loads((tmp_path / "g" / "gpu_check.json").read_text())
+    assert result["iterations"] == 6 and result["tokens_per_s"] > 0 and result["precision"] == "fp32"
+    assert result["tensor_parallel"]["iterations"] == 3 and result["tensor_parallel"]["max_loss_difference"] < 1e-5
+    conv = result["conversion"]
+    assert conv["max_logit_difference"] < 1e-4 and conv["greedy_tokens_equal"] and conv["greedy_tokens"] > 0
+    assert abs(conv["validation"]["hf_loss"] - conv["validation"]["megatron_loss_real_vocab"]) < 1e-5
+    assert "| conversion: greedy tokens equal | True |" in capsys.readouterr().out

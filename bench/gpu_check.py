@@ -1,0 +1,176 @@
+"""GPU check: what the series does on an NVIDIA GPU, measured in one command of a few minutes.
+
+``make gpu-check`` (or ``python -m bench.gpu_check``) on a machine with a CUDA GPU:
+
+1. **data**: notebook 01's stage with the ``gpu`` profile's vocabulary (32,768) over the standard
+   library only (``--package-files 0``: throughput does not depend on how much data there is);
+2. **throughput**: the ``gpu`` training profile (the guide's 110M model, micro-batch 8, global
+   batch 64, sequence 1,024) for ``--iters`` iterations under torchrun, in bf16 (``precision
+   auto``), with Transformer Engine's layer spec and Apex's fused AdamW when they are installed
+   (the NGC container) and megatron-core's local spec and torch's fused AdamW otherwise; tokens/s
+   (median over the log intervals) and MFU against the GPU's peak dense bf16 FLOP/s
+   (:data:`helpers.preflight.PEAK_BF16_FLOPS`); the target for this model on one H100/H200 is
+   at least 400k tokens/s, about 40 % MFU (the guide's own run averaged about 85k tokens/s per A100);
+3. **TP=2 = TP=1** when there are two GPUs: the same 20 iterations in fp32, no dropout, with one and two
+   tensor-parallel ranks, the largest difference of the logged losses;
+4. **conversion on the GPU**: the trained checkpoint converted to transformers
+   (:func:`helpers.conversion.convert_to_hf`), both models in fp32 on the GPU: largest logit
+   difference, validation loss of both on training's own validation batches, greedy tokens.
+
+It ends with one table and writes ``{run_dir}/gpu_check.json``. Without CUDA it says it could not
+run and exits with status 2 (nothing is made).
+
+Run (from the repository root)::
+
+    make gpu-check
+    python -m bench.gpu_check --iters 300 --peak-tflops 989
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+GREEDY_TOKENS = 24
+
+
+#: ``--cpu-smoke``: a tiny model and batch, so that the test suite runs this script end to end on a CPU.
+SMOKE = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                   "max_position_embeddings": 64}, "micro_batch_size": 2, "global_batch_size": 4}
+
+
+def _train(run: Path, data, iters: int, smoke: bool = False, model_overrides: dict | None = None, **overrides: Any):
+    from helpers import launch, training_config
+
+    settings = dict(data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir), split=data.split,
+                    train_iters=iters, lr_warmup_iters=max(1, iters // 10), lr_decay_iters=iters, log_interval=10,
+                    eval_interval=iters, eval_iters=2, save_interval=iters, sample_interval=0)
+    settings |= ({k: v for k, v in SMOKE.items() if k != "model"} if smoke else {}) | overrides
+    model = {"vocab_size": data.vocab_size} | (SMOKE["model"] if smoke else {}) | (model_overrides or {})
+    cfg = training_config.profile("gpu", str(run), model=model, **settings)
+    return cfg, launch.train(cfg, nproc_per_node=cfg.tensor_model_parallel_size, timeout_s=600, progress=False)
+
+
+def tensor_parallel_check(run: Path, data, iters: int = 20, smoke: bool = False) -> dict[str, Any]:
+    """The same iterations with TP=1 and TP=2 in fp32 without dropout (each TP rank draws its own
+    dropout masks, megatron-core's tensor-parallel RNG): largest difference of the logged losses."""
+    losses = {}
+    for tp in (1, 2):
+        _, res = _train(run / f"tp{tp}", data, iters, smoke, {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                        precision="fp32", tensor_model_parallel_size=tp,
+                        micro_batch_size=4, global_batch_size=8, log_interval=1, save_interval=None)
+        losses[tp] = [r["lm_loss"] for r in res.metrics["train"]]
+    return {"iterations": iters, "max_loss_difference": max(abs(a - b) for a, b in zip(losses[1], losses[2]))}
+
+
+def conversion_check(run: Path, cfg) -> dict[str, Any]:
+    """Convert the checkpoint and compare transformers with megatron-core on the GPU, both fp32."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from helpers import checkpointing, conversion, tokenizer
+    from helpers.demos import conversion_proofs as proofs
+    from helpers.demos import generation
+
+    conversion.convert_to_hf(cfg.checkpoint_path, run / "hf_model", overwrite=True)
+    gpt, _ = checkpointing.load_model(cfg.checkpoint_path)
+    device = next(gpt.parameters()).device
+    hf = GPT2LMHeadModel.from_pretrained(run / "hf_model", dtype=torch.float32).to(device).eval()
+    tokens = proofs.validation_tokens(run, 2)
+    with torch.no_grad():
+        logits = proofs.compare_logits(proofs.megatron_logits(gpt, tokens), proofs.hf_logits(hf, tokens))
+    loss = proofs.compare_validation_loss(run, hf, gpt)
+    tok = tokenizer.load_tokenizer(cfg.tokenizer_path)
+    prompt = tok.encode("import os\n\n\ndef main():\n    ")
+    mc = generation.greedy_generate(gpt, prompt, max_new_tokens=GREEDY_TOKENS, eod_id=tok.eos_token_id)[len(prompt):]
+    hf_ids = generation.greedy_generate_hf(hf, prompt, GREEDY_TOKENS)
+    return {"max_logit_difference": logits.max_abs_diff, "argmax_agreement": logits.argmax_agreement,
+            "validation": {k: v for k, v in vars(loss).items() if isinstance(v, (int, float))},
+            "greedy_tokens_equal": mc == hf_ids, "greedy_tokens": len(mc), "device": str(device)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from helpers import data_stage, environment, preflight
+
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        raise SystemExit("could not run: CUDA is not available on this machine (the GPU check needs an NVIDIA GPU). "
+                         "Nothing was made.")
+    start, run_dir = time.perf_counter(), Path(args.run_dir).resolve()
+    timings: dict[str, float] = {}
+    data = data_stage.build_data(run_dir, vocab_size=1024 if args.cpu_smoke else 32768, package_files=args.package_files,
+                                 max_files=80 if args.cpu_smoke else None, split="90,8,2" if args.cpu_smoke else None,
+                                 progress=False)
+    timings["data_s"] = time.perf_counter() - start
+    t = time.perf_counter()
+    cfg, res = _train(run_dir / "throughput", data, args.iters, args.cpu_smoke)
+    timings["training_s"] = time.perf_counter() - t
+    s, name = res.summary, torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (--cpu-smoke)"
+    peak = preflight.peak_flops(name, args.peak_tflops)
+    out: dict[str, Any] = {
+        "gpu": name, "gpus": torch.cuda.device_count(), "peak_flops": peak, "precision": s["precision"], "smoke": args.cpu_smoke,
+        "transformer_engine": environment.transformer_engine_version(), "optimizer": s["optimizer"],
+        "iterations": s["iterations"], "tokens_per_s": s["tokens_per_s"], "flops_per_token": s["flops_per_token"],
+        "mfu": s["tokens_per_s"] * s["flops_per_token"] / peak if peak else None,
+        "final_train_loss": s["final_train_loss"], "parameters": s["parameters"], "seq_length": cfg.model.seq_length,
+    }
+    t = time.perf_counter()
+    out["tensor_parallel"] = (tensor_parallel_check(run_dir, data, args.tp_iters, args.cpu_smoke)
+                              if torch.cuda.device_count() >= 2 or args.cpu_smoke else None)
+    timings["tensor_parallel_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    out["conversion"] = conversion_check(run_dir / "throughput", cfg)
+    timings["conversion_s"] = time.perf_counter() - t
+    out["timings"] = timings | {"total_s": time.perf_counter() - start}
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    """The summary table (markdown)."""
+    conv, tp = r["conversion"], r["tensor_parallel"]
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (GPU peak unknown: --peak-tflops)"
+    rows = [
+        ("GPU", f"{r['gpu']} x {r['gpus']}", ""),
+        ("precision, TE, optimizer", f"{r['precision']}, TE {r['transformer_engine'] or 'absent'}, {r['optimizer']}", ""),
+        (f"tokens/s ({r['parameters'] / 1e6:.1f}M parameters, seq {r['seq_length']})", f"{r['tokens_per_s']:,.0f}",
+         ">= 400,000 on one H100/H200 (the 110M model)"),
+        ("MFU", mfu, "about 40 %"),
+        ("TP=2 vs TP=1, max loss difference", "one GPU: not run" if tp is None else f"{tp['max_loss_difference']:.2e}", "< 1e-5 (fp32)"),
+        ("conversion: max logit difference", f"{conv['max_logit_difference']:.2e}", "< 1e-3 (fp32 on the GPU)"),
+        ("conversion: greedy tokens equal", str(conv["greedy_tokens_equal"]), "True"),
+        ("time: data, training, TP, conversion, total (s)",
+         ", ".join(f"{r['timings'][k]:.0f}" for k in ("data_s", "training_s", "tensor_parallel_s", "conversion_s", "total_s")), "<= 480 in all"),
+    ]
+    return common.markdown_table(["check", "measured", "target"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run-dir", default="runs/gpu-check", help="folder for the data, runs and gpu_check.json")
+    parser.add_argument("--iters", type=int, default=200, help="iterations of the gpu profile to time (default 200)")
+    parser.add_argument("--tp-iters", type=int, default=20, help="iterations of the TP=2 against TP=1 check (default 20)")
+    parser.add_argument("--package-files", type=int, default=0, help="notebook 01's package_files (default 0: stdlib only)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s, if not listed")
+    parser.add_argument("--cpu-smoke", action="store_true", help="a tiny model on the CPU: tests this script, measures nothing")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except SystemExit as err:
+        print(err, file=sys.stderr)
+        return 2
+    path = Path(args.run_dir) / "gpu_check.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(report(result))
+    print(f"written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
