@@ -3,8 +3,9 @@
 The guide trains on ``codeparrot/codeparrot-clean-train``: Python files from GitHub cleaned by
 CodeParrot's ``scripts/preprocessing.py`` and written one JSON object per line with the text
 under the key ``content``. Without internet this series uses the ``.py`` files of this
-machine's Python standard library (or any folder of ``.py`` files, or a JSON Lines file) and
-applies the same cleaning filters. The first six made ``codeparrot-clean``, the guide's data;
+machine's Python standard library (or any folder of ``.py`` files, a JSON Lines file, or a 🤗
+dataset read with ``datasets.load_dataset``: :mod:`helpers.hub_datasets`) and applies the same
+cleaning filters. The first six made ``codeparrot-clean``, the guide's data;
 ``more_filtering=True`` adds the ones CodeParrot's later ``preprocessing.py`` applies
 (``codeparrot-train-more-filtering``) and its near-deduplication (``minhash_deduplication.py``):
 
@@ -71,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from helpers import encoders, results
+from helpers import encoders, hub_datasets, results
 from helpers import tokenizer as tokenizer_mod
 
 #: Output key of the loose JSON, as in the guide (``--json-keys content``).
@@ -502,16 +503,19 @@ def collect_corpus(
     more_filtering: bool = False,
     vocab_size: int = 8192,
     package_files: int = 0,
+    hf_split: str = "train",
+    hf_streaming: bool = True,
 ) -> CorpusResult:
     """Read a source, clean it with CodeParrot's filters, and return the kept documents.
 
     Args:
         source: ``None`` for this machine's standard library (without ``site-packages`` and
-            test folders), a folder (every ``*.py`` under it), or a ``.json``/``.jsonl`` file
-            of JSON Lines.
-        text_key: the key holding the text in a JSON Lines source.
+            test folders), a folder (every ``*.py`` under it), a ``.json``/``.jsonl`` file
+            of JSON Lines, or a 🤗 dataset ``"hf:..."`` read with ``datasets.load_dataset``
+            (:mod:`helpers.hub_datasets`: ``hf:OWNER/NAME``, ``hf:json:FILES``, ``hf:FOLDER``).
+        text_key: the key holding the text in a JSON Lines source, the column in a dataset.
         max_files: read at most this many files (the first N of the seeded order; for JSON
-            Lines, the first N lines); ``None`` reads everything.
+            Lines and datasets, the first N lines or rows); ``None`` reads everything.
         seed: seed of the ``random.Random`` shuffle that fixes the document order, and of the
             probabilistic filters (:func:`filter_draw`).
         more_filtering: also apply :data:`MORE_FILTERS` (CodeParrot's later filters and its
@@ -524,6 +528,8 @@ def collect_corpus(
             files of each installed third-party package (:func:`draw_package_files`; never one
             of :data:`HELDOUT_PACKAGES`); their document paths start with
             :data:`SITE_PACKAGES_PREFIX`. Ignored for another source; 0 reads none.
+        hf_split, hf_streaming: with a dataset source, ``load_dataset``'s ``split`` and
+            ``streaming`` (:func:`helpers.hub_datasets.read_dataset`); ignored otherwise.
 
     Returns:
         A :class:`CorpusResult`; documents are in the seeded order, which is the order of
@@ -532,16 +538,23 @@ def collect_corpus(
     Raises:
         FileNotFoundError: ``source`` does not exist.
         ValueError: no ``.py`` files in the folder, ``max_files < 1``, or a bad JSON Lines
-            line (see :func:`read_jsonl`).
+            line (see :func:`read_jsonl`); for a dataset, the errors of
+            :func:`helpers.hub_datasets.read_dataset` (ConnectionError offline, too).
     """
     if max_files is not None and max_files < 1:
         raise ValueError(f"max_files={max_files}: pass a positive number, or None for every file")
     rng = random.Random(seed)
+    from_hub = hub_datasets.is_dataset_source(source)
     root = stdlib_dir() if source is None else Path(source)
-    if not root.exists():
-        raise FileNotFoundError(f"source={str(source)!r} does not exist: pass a folder of .py files or a JSON Lines file")
+    if not from_hub and not root.exists():
+        raise FileNotFoundError(f"source={str(source)!r} does not exist: pass a folder of .py files, a JSON Lines file "
+                                "or a dataset (hf:OWNER/NAME, hf:json:FILES)")
     raw: list[tuple[str | None, str]] = []
-    if root.is_dir():
+    if from_hub:
+        raw = list(hub_datasets.read_dataset(source, text_key, max_files, hf_split, hf_streaming))
+        rng.shuffle(raw)
+        root = source  # type: ignore[assignment]
+    elif root.is_dir():
         files = [(p, str(p.relative_to(root))) for p in list_python_files(root, STDLIB_EXCLUDED_DIRS if source is None else ())]
         if source is None and package_files:
             drawn = draw_package_files(package_files, seed)
@@ -553,8 +566,8 @@ def collect_corpus(
         raw = list(read_jsonl(root, text_key, max_files))
         rng.shuffle(raw)
     if not raw:
-        raise ValueError(f"source={str(root)!r} holds no documents (an empty JSON Lines file): "
-                         "pass a file with one JSON object per line")
+        raise ValueError(f"source={str(root)!r} holds no documents (an empty JSON Lines file or split): "
+                         "pass a file with one JSON object per line, or a split with rows")
     read_packages = [where[len(SITE_PACKAGES_PREFIX):].split("/")[0].removesuffix(".py") for _, where in raw
                      if source is None and where.startswith(SITE_PACKAGES_PREFIX)]
     result = CorpusResult(documents=[], num_read=len(raw), source=str(root),

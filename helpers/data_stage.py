@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import corpus as corpus_mod
-from helpers import results
+from helpers import hub_datasets, results
 from helpers import tokenizer as tokenizer_mod
 from helpers.encoders import resolve_engine
 from helpers.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NAME, PREFIX_NAME, TOKENIZER_DIR, DataPaths,
@@ -26,11 +26,11 @@ from helpers.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NA
 #: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
 DEFAULT_SETTINGS: dict[str, Any] = {
     "source": None, "text_key": "content", "max_files": None, "vocab_size": 8192,
-    "split": "969,30,1", "seed": 1234, "more_filtering": False, "package_files": 0,
+    "split": "969,30,1", "seed": 1234, "more_filtering": False, "package_files": 0, "hf_split": "train",
 }
 
 #: What a manifest written before a setting existed was made with.
-SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"more_filtering": False, "package_files": 0}
+SETTINGS_BEFORE_THEY_EXISTED: dict[str, Any] = {"more_filtering": False, "package_files": 0, "hf_split": "train"}
 
 
 def _write_manifest(data_dir: Path, manifest: dict[str, Any]) -> None:
@@ -65,6 +65,8 @@ def build_data(
     split: str | None = None,
     more_filtering: bool | None = None,
     package_files: int | None = None,
+    hf_split: str | None = None,
+    hf_streaming: bool = True,
     num_workers: int = 2,
     seed: int | None = None,
     progress: bool = True,
@@ -91,6 +93,10 @@ def build_data(
         source, text_key, max_files, seed, more_filtering, package_files: see
             :func:`helpers.corpus.collect_corpus` (``package_files`` is stored as 0 for a given
             ``source``, which it does not apply to).
+        hf_split, hf_streaming: with a dataset source (``"hf:..."``), ``load_dataset``'s split
+            (a data setting; the default ``"train"`` is stored for other sources, which it does
+            not apply to) and streaming (not one: both read the same rows). The source is stored
+            with its local paths made absolute (:func:`helpers.hub_datasets.canonical`).
         vocab_size: tokenizer size, see :func:`helpers.tokenizer.train_tokenizer`; with
             ``more_filtering`` also the size of the BPE that measures characters per token.
         split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
@@ -124,7 +130,9 @@ def build_data(
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
     jsonl, tok_dir, prefix = data_dir / JSONL_NAME, data_dir / TOKENIZER_DIR, data_dir / PREFIX_NAME
-    requested = {"source": None if source is None else str(Path(source).expanduser().resolve()),
+    from_hub = hub_datasets.is_dataset_source(source)
+    requested = {"source": None if source is None else hub_datasets.canonical(source) if from_hub  # type: ignore[arg-type]
+                 else str(Path(source).expanduser().resolve()), "hf_split": hf_split if from_hub else None,
                  "text_key": text_key, "max_files": max_files, "vocab_size": vocab_size,
                  "split": split, "seed": seed, "more_filtering": more_filtering,
                  "package_files": 0 if source is not None and package_files is not None else package_files}
@@ -148,7 +156,8 @@ def build_data(
         result = corpus_mod.collect_corpus(settings["source"], text_key=settings["text_key"],
                                            max_files=settings["max_files"], seed=settings["seed"],
                                            more_filtering=more, vocab_size=settings["vocab_size"],
-                                           package_files=settings.get("package_files", 0))
+                                           package_files=settings.get("package_files", 0),
+                                           hf_split=settings.get("hf_split", "train"), hf_streaming=hf_streaming)
         corpus_mod.write_jsonl(result.documents, jsonl)
         manifest["corpus"] = _corpus_record(result)
         _write_manifest(data_dir, manifest)

@@ -1,0 +1,172 @@
+"""Read a 🤗 ``datasets`` dataset as corpus documents: the guide's first step.
+
+The guide starts from ``load_dataset("codeparrot/codeparrot-clean-train", split="train")`` and
+writes the rows out as loose JSON with the text under ``content``. Here the rows become
+documents of :func:`helpers.corpus.collect_corpus`, so they go through the same cleaning, the
+same counts and the same writer (:func:`helpers.corpus.write_jsonl`) as the other sources.
+
+A dataset source is a string that starts with :data:`PREFIX` (``hf:``), which no path a
+learner would type starts with. Every spelling ends in one ``datasets.load_dataset`` call
+(:func:`load_arguments` gives its arguments):
+
+==============================  ====================================================================
+``source``                      call (``split`` and ``streaming`` from ``hf_split``, ``hf_streaming``)
+==============================  ====================================================================
+``hf:OWNER/NAME``               ``load_dataset("OWNER/NAME", ...)``: a dataset on the Hub
+``hf:BUILDER:FILES``            ``load_dataset("BUILDER", data_files="FILES", ...)``: local data files
+                                (a path or a glob) read by a packaged builder of :data:`BUILDERS`
+``hf:FOLDER``                   ``load_dataset("FOLDER", ...)``: a local folder of data files (parquet,
+                                jsonl, csv, arrow); FOLDER starts with ``/``, ``.`` or ``~``, or exists
+==============================  ====================================================================
+
+A folder written by ``Dataset.save_to_disk`` is not a folder of data files: ``load_dataset``
+refuses it and names ``load_from_disk``; ``Dataset.to_json(path, lines=True)`` and the source
+``hf:json:path`` read it back.
+
+Without network ``load_dataset`` retries each Hub request for tens of seconds (more where
+packets are dropped rather than refused), so :func:`check_hub` asks first, once, with a short
+timeout, and offline mode (``HF_HUB_OFFLINE=1``) is refused before any call. Sources: the
+guide's "Data preprocessing" section; the ``datasets`` documentation, "Load" (local and remote
+files, packaged builders) and "Stream"; ``huggingface_hub``'s environment variables.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+#: Start of a dataset source (notebook 01's ``source`` parameter).
+PREFIX = "hf:"
+#: ``datasets``' packaged builders that read local files given as ``data_files``.
+BUILDERS: tuple[str, ...] = ("json", "parquet", "csv", "text", "arrow")
+#: Seconds :func:`check_hub` waits for the Hub to answer.
+HUB_TIMEOUT = 5.0
+#: Environment variables that switch the Hub off (``huggingface_hub`` and older ``datasets``).
+OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_LOCAL_HINT = ("point source at local files instead: 'hf:json:/path/to/files.jsonl' (or hf:parquet:/path/*.parquet) "
+               "reads data files with load_dataset, 'hf:/path/to/folder' a local folder of data files, "
+               "'/path/to/file.jsonl' a JSON Lines file and '/path/to/folder' its .py files")
+
+
+def is_dataset_source(source: Any) -> bool:
+    """True when ``source`` is a dataset source (a string starting with :data:`PREFIX`)."""
+    return isinstance(source, str) and source.startswith(PREFIX)
+
+
+def load_arguments(source: str, split: str = "train", streaming: bool = True) -> tuple[str, dict[str, Any]]:
+    """The ``datasets.load_dataset`` call a dataset source stands for (see the module's table).
+
+    Local paths are made absolute, so the same source read from another folder is the same call.
+
+    Returns:
+        ``(path, keyword arguments)``: ``load_dataset(path, **kwargs)`` loads it; the keywords are
+        ``split``, ``streaming`` and, for ``hf:BUILDER:FILES``, ``data_files``.
+
+    Raises:
+        ValueError: ``source`` does not start with ``hf:``, names no dataset, names a builder
+            outside :data:`BUILDERS` or no files after it.
+        FileNotFoundError: ``hf:FOLDER`` with a path that is not a folder.
+    """
+    spec = source[len(PREFIX):] if is_dataset_source(source) else None
+    if not spec:
+        raise ValueError(f"source={source!r} is not a dataset source: write hf:OWNER/NAME (the Hub), "
+                         "hf:json:/path/files.jsonl (local data files) or hf:/path/folder")
+    kwargs: dict[str, Any] = {"split": split, "streaming": streaming}
+    builder, colon, files = spec.partition(":")
+    if colon and builder in BUILDERS and files:
+        return builder, {"data_files": str(Path(files).expanduser().resolve())} | kwargs
+    if spec.startswith(("/", ".", "~")) or Path(spec).expanduser().exists():
+        folder = Path(spec).expanduser().resolve()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"source={source!r}: {folder} is not a folder; for data files write "
+                                    f"hf:json:{folder} (or another builder of {BUILDERS})")
+        return str(folder), kwargs
+    if colon or not _HUB_ID.fullmatch(spec):
+        raise ValueError(f"source={source!r}: write hf:OWNER/NAME for a Hub dataset, hf:BUILDER:FILES with a "
+                         f"builder of {BUILDERS} and the files after it, or hf:/path/to/folder")
+    return spec, kwargs
+
+
+def canonical(source: str) -> str:
+    """``source`` with its local paths made absolute (:func:`load_arguments`), as the manifest stores it."""
+    path, kwargs = load_arguments(source)
+    return PREFIX + (f"{path}:{kwargs['data_files']}" if "data_files" in kwargs else path)
+
+
+def _offline_error(path: str, reason: str) -> ConnectionError:
+    return ConnectionError(f"source='hf:{path}': {reason}, so the Hub dataset {path!r} cannot be loaded. "
+                           f"Nothing was written. Connect to the Hub ({OFFLINE_VARIABLES[0]} unset, HF_ENDPOINT "
+                           f"reachable), or {_LOCAL_HINT}.")
+
+
+def check_hub(path: str) -> None:
+    """Raise at once when ``path`` (from :func:`load_arguments`) is a Hub dataset the Hub cannot serve.
+
+    Local data (an absolute path or a builder of :data:`BUILDERS`) passes without a network call.
+    For a Hub id: refused when one of :data:`OFFLINE_VARIABLES` is true now or was when
+    ``huggingface_hub`` was imported; else one ``HEAD`` request to the Hub endpoint
+    (``HF_ENDPOINT``), through ``huggingface_hub``'s HTTP session (its proxies), must answer within
+    :data:`HUB_TIMEOUT` seconds.
+
+    Raises:
+        ConnectionError: offline mode is on, or the Hub could not be reached; the message says
+            which, and how to point ``source`` at local files instead.
+    """
+    if path in BUILDERS or Path(path).is_absolute():
+        return
+    from huggingface_hub import constants, get_session
+
+    flags = [name for name in OFFLINE_VARIABLES if os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
+    if flags or constants.HF_HUB_OFFLINE:
+        raise _offline_error(path, f"offline mode is on ({flags[0] if flags else 'HF_HUB_OFFLINE'}=1)")
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_TIMEOUT)
+    except Exception as err:  # noqa: BLE001 - any failure of the one request means "not reachable"
+        raise _offline_error(path, f"the Hub at {constants.ENDPOINT} could not be reached within "
+                                   f"{HUB_TIMEOUT} s ({type(err).__name__}: {err})") from None
+
+
+def read_dataset(source: str, text_key: str = "content", max_docs: int | None = None, split: str = "train",
+                 streaming: bool = True) -> Iterator[tuple[str, str]]:
+    """Yield ``(text, "PATH:SPLIT:ROW")`` for the first ``max_docs`` rows of a dataset source.
+
+    Makes the ``datasets.load_dataset`` call of :func:`load_arguments` (after :func:`check_hub`).
+    ``streaming=True`` reads rows as they arrive (the Hub's files are not downloaded first);
+    ``False`` downloads and converts the whole split to Arrow in the ``datasets`` cache before the
+    first row. Both give the same rows in the same order.
+
+    Raises:
+        ConnectionError: see :func:`check_hub`.
+        ValueError: a bad spelling (:func:`load_arguments`); ``split`` is not one of the dataset's
+            splits (the message lists them and names ``hf_split``); a row lacks the column
+            ``text_key`` (the message lists the columns found and names ``text_key``) or it holds
+            something other than text, a missing value (``None``) included, as in a JSON Lines source.
+        FileNotFoundError: no local file or folder matches (``datasets``' message).
+    """
+    path, kwargs = load_arguments(source, split, streaming)
+    check_hub(path)
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(path, **kwargs)
+    except ConnectionError as err:
+        raise _offline_error(path, f"the Hub could not be reached ({err})") from None
+    except ValueError as err:
+        if "split" not in str(err).lower():
+            raise
+        raise ValueError(f"source={source!r}: {str(err).rstrip('.')}; pass one of those splits as hf_split "
+                         f"(split= of collect_corpus), not {split!r}") from None
+    for row_number, row in enumerate(itertools.islice(dataset, max_docs)):
+        if text_key not in row:
+            raise ValueError(f"source={source!r}: split {split!r} has no column {text_key!r} (columns: {sorted(row)}); "
+                             "pass the column that holds the text as text_key")
+        text = row[text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"source={source!r}: row {row_number}: column {text_key!r} holds {text!r:.40} "
+                             f"({type(text).__name__}), not text; pass a text column as text_key, or drop such rows")
+        yield text, f"{path}:{split}:{row_number}"
