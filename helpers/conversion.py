@@ -24,7 +24,9 @@ Read it in this order:
 3. :func:`gpt2_config`: the ``GPT2Config`` (the GELU training computed, LayerNorm epsilon...).
 4. :func:`load_megatron_checkpoint`: a torch_dist checkpoint of any tensor-model-parallel size
    (every tensor read at its global shape, ``helpers.checkpointing.read_model_tensors``) or a
-   plain ``model.state_dict()`` file.
+   plain ``model.state_dict()`` file; and checkpoints Megatron-LM wrote itself, without the
+   series' ``model_config.json`` (legacy ``mp_rank_00/model_optim_rng.pt`` or torch_dist: the
+   architecture from their ``args``, ``helpers.megatron_lm``).
 5. :func:`convert_to_hf`: the transformers folder (``config.json``, ``model.safetensors``,
    the training tokenizer byte for byte, ``generation_config.json`` with EOS = EOD,
    ``conversion.json``); :func:`convert_to_hf_cached` skips a conversion already done; :func:`main`
@@ -57,8 +59,9 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers import checkpointing, results
+from helpers import checkpointing, megatron_lm, results
 from helpers.environment import package_version
+from helpers.megatron_lm import ConversionError  # defined there, the lower module; raised by both
 from helpers.model import GELU_HF_NAME, ModelConfig
 
 #: Tokenizer files copied into the transformers folder (what ``AutoTokenizer`` reads offline).
@@ -110,10 +113,6 @@ _TE_LAYERNORM_NAMES: dict[str, str] = {
 _LAYER_RE = re.compile(r"^(decoder\.layers|transformer\.h)\.(\d+)\.(.+)$")
 #: Linear layers whose bias a GPT-2 needs (``add_bias_linear=True``).
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
-class ConversionError(ValueError):
-    """The input cannot be converted exactly; the message says why and what to do."""
 
 
 def _template(key: str) -> tuple[str, int | None]:
@@ -478,10 +477,11 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
 
     Accepts a checkpoints folder with ``latest_checkpointed_iteration.txt`` (latest, or
     ``iteration``), an ``iter_NNNNNNN`` torch_dist folder, or a ``.pt``/``.pth`` file holding a
-    plain state dict.
+    plain state dict; and Megatron-LM's legacy layouts (``mp_rank_XX/model_optim_rng.pt``, a
+    ``release`` tracker: ``helpers.megatron_lm.find_checkpoint``).
 
     Returns:
-        ``(path, iteration or None, "torch_dist" | "state_dict")``.
+        ``(path, iteration or None, "torch_dist" | "state_dict" | "torch")`` (``"torch"``: Megatron-LM's legacy format).
 
     Raises:
         FileNotFoundError: nothing at ``path``, or a checkpoints folder without that iteration.
@@ -491,6 +491,8 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist: train first (notebook 03) or fix the path")
+    if (legacy := megatron_lm.find_checkpoint(p, iteration)) is not None:
+        return legacy
     if p.is_file():
         if p.suffix in (".pt", ".pth", ".bin"):
             return p, None, "state_dict"
@@ -504,8 +506,7 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         if not folder.is_dir():
             raise FileNotFoundError(f"{p} has no iteration {it} ({folder} missing)")
         if not _is_torch_dist(folder):
-            raise ConversionError(f"{folder} is not a torch_dist checkpoint (no .metadata): the save may have been "
-                                  "interrupted, or it is a legacy one (mp_rank_00/: pass its model_optim_rng.pt file)")
+            raise ConversionError(f"{folder} is not a torch_dist checkpoint (no .metadata): the save may have been interrupted")
         return folder, it, "torch_dist"
     found = sorted(x.name for x in p.iterdir())[:10]
     raise ConversionError(
@@ -513,55 +514,59 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         f"with .metadata (torch_dist), or a .pt state dict file; found {found or 'an empty folder'}")
 
 
-def _read_meta(folder: Path, model_config: ModelConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+def _read_meta(folder: Path, model_config: ModelConfig | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``model_config`` or the ``model_config.json`` next to the checkpoint; None: neither (Megatron-LM's own)."""
     if model_config is not None:
         return _as_metadata(model_config)
-    for candidate in (folder / checkpointing.MODEL_CONFIG_FILE, folder.parent / checkpointing.MODEL_CONFIG_FILE):
-        if candidate.is_file():
-            return json.loads(candidate.read_text())
-    raise ConversionError(
-        f"no {checkpointing.MODEL_CONFIG_FILE} next to {folder}: pass model_config= (a helpers.model.ModelConfig "
-        "or its to_metadata() dict); head count and GELU cannot be read from the tensors")
+    found = [c for c in (folder / checkpointing.MODEL_CONFIG_FILE, folder.parent / checkpointing.MODEL_CONFIG_FILE) if c.is_file()]
+    return json.loads(found[0].read_text()) if found else None
 
 
 def load_megatron_checkpoint(source: str | os.PathLike, *,
                              model_config: ModelConfig | Mapping[str, Any] | None = None,
                              iteration: int | None = None, weights_only: bool = True) -> MegatronCheckpoint:
-    """Read a megatron-core GPT: torch_dist checkpoint (any TP size) or plain state dict.
+    """Read a megatron-core GPT: torch_dist checkpoint (any TP size) or plain state dict, the series' or Megatron-LM's.
+
+    Without ``model_config`` and ``model_config.json`` the checkpoint is Megatron-LM's own: its
+    ``args`` give the architecture and its weights are renamed and merged to TP=1 by
+    ``helpers.megatron_lm.read_checkpoint`` (legacy ``mp_rank_XX/model_optim_rng.pt``, any TP size,
+    old ``language_model.*`` names of any ``checkpoint_version``; torch_dist with ``common.pt``
+    or the ``common_state`` of megatron-core >= 0.19).
 
     Args:
         source: a checkpoints folder (latest iteration), an ``iter_NNNNNNN`` folder, or a ``.pt``
             file of ``model.state_dict()`` (or ``{"model": state_dict}``; an in-memory state dict
-            goes straight to :func:`megatron_to_hf_state_dict`).
+            goes straight to :func:`megatron_to_hf_state_dict`) or Megatron-LM's ``model_optim_rng.pt``.
         model_config: the model's ``ModelConfig`` / metadata; default ``model_config.json`` next
-            to the checkpoint (written by ``helpers.checkpointing.save_checkpoint``).
+            to the checkpoint (written by ``helpers.checkpointing.save_checkpoint``), else Megatron-LM's args.
         iteration: with a checkpoints folder, this iteration instead of the latest.
-        weights_only: unpickle only tensors from a ``.pt`` file (``torch.load(weights_only=True)``).
+        weights_only: unpickle only tensors and plain data (``torch.load(weights_only=True)``;
+            ``helpers.megatron_lm.load_pickle`` for Megatron-LM's files, which allows their
+            ``argparse.Namespace``). False runs any code the file names: only for files you trust.
 
     Returns:
         :class:`MegatronCheckpoint` in TP=1 layout.
 
     Raises:
-        FileNotFoundError, ConversionError: see :func:`find_checkpoint`; no model config;
-            another architecture (checked before reading tensors, from the metadata).
+        FileNotFoundError, ConversionError: see :func:`find_checkpoint`; no model config and no
+            Megatron-LM args; another architecture (checked before reading tensors, from the
+            metadata or the args); a file ``weights_only`` cannot read (the message lists why).
     """
     path, it, fmt = find_checkpoint(source, iteration)
     meta = _read_meta(path if path.is_dir() else path.parent, model_config)
-    check_architecture(meta)
-    if fmt == "torch_dist":
-        merged, non_model = checkpointing.read_model_tensors(path)
-        tensors, extra = _normalize_megatron_state_dict(merged)
-        return MegatronCheckpoint(tensors, meta, str(path), it if it is not None else meta.get("iteration"), fmt,
-                                  extra, non_model)
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as err:  # torch's unpickling errors have no common public type
-        raise ConversionError(f"{path} could not be read ({type(err).__name__}: {err}); if it holds objects besides "
-                              "tensors and you trust it, pass weights_only=False (legacy Megatron-LM files do)") from err
-    if not isinstance(raw, Mapping):
-        raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict")
-    tensors, extra = _normalize_megatron_state_dict(raw["model"] if isinstance(raw.get("model"), Mapping) else raw)
-    return MegatronCheckpoint(tensors, meta, str(path), meta.get("iteration"), fmt, extra)
+    if meta is None or fmt == "torch":  # Megatron-LM's own checkpoint: the architecture from its args
+        raw, meta, it, fmt, non_model = megatron_lm.read_checkpoint(path, fmt, meta, weights_only=weights_only)
+    else:
+        check_architecture(meta)
+        if fmt == "torch_dist":
+            raw, non_model = checkpointing.read_model_tensors(path)
+        else:
+            raw, non_model = megatron_lm.load_pickle(path, weights_only=weights_only), []
+            if not isinstance(raw, Mapping):
+                raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict")
+            raw = raw["model"] if isinstance(raw.get("model"), Mapping) else raw
+    tensors, extra = _normalize_megatron_state_dict(raw)
+    return MegatronCheckpoint(tensors, meta, str(path), it if it is not None else meta.get("iteration"), fmt, extra, non_model)
 
 
 # =========================================================================== writing transformers folders
@@ -623,9 +628,10 @@ def _check_tokenizer(tokenizer_dir: Path, meta: Mapping[str, Any]) -> tuple[int,
         raise FileNotFoundError(f"tokenizer folder {tokenizer_dir} lacks {missing}; a transformers folder needs "
                                 f"{list(TOKENIZER_FILES)}. Use the tokenizer folder training used (notebook 01).")
     size = tokenizer_lib.vocab_size_of(tokenizer_dir)
-    if int(meta["vocab_size"]) != size:
+    lo, hi = meta.get("vocab_size_range") or (int(meta["vocab_size"]),) * 2  # a range: Megatron-LM's args (padded size only)
+    if not lo <= size <= hi:
         raise ConversionError(f"the tokenizer in {tokenizer_dir} has {size} entries but the model was trained with "
-                              f"vocab_size={meta['vocab_size']}: pass the tokenizer folder that training used")
+                              f"vocab_size={lo if lo == hi else f'{lo}..{hi}'}: pass the tokenizer folder that training used")
     return size, tokenizer_lib.eod_id(tokenizer_dir)
 
 
@@ -650,7 +656,7 @@ def _publish(tmp: Path, output_dir: Path) -> None:
 def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: str | os.PathLike, *,
                   tokenizer_dir: str | os.PathLike | None = None,
                   model_config: ModelConfig | Mapping[str, Any] | None = None, iteration: int | None = None,
-                  overwrite: bool = False, dtype: torch.dtype = torch.float32) -> ConversionResult:
+                  overwrite: bool = False, dtype: torch.dtype = torch.float32, weights_only: bool = True) -> ConversionResult:
     """Convert a megatron-core GPT checkpoint into a transformers ``GPT2LMHeadModel`` folder.
 
     Writes ``config.json`` (:func:`gpt2_config`), ``model.safetensors`` (:func:`megatron_to_hf_state_dict`,
@@ -668,6 +674,7 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
         iteration: with a checkpoints folder, a given iteration instead of the latest.
         overwrite: replace an existing non-empty ``output_dir`` (only after the new one is complete).
         dtype: dtype of the saved weights (fp32 keeps the checkpoint's fp32 weights exactly).
+        weights_only: see :func:`load_megatron_checkpoint` (False: only for a file you trust).
 
     Returns:
         :class:`ConversionResult`.
@@ -686,7 +693,7 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
     out = Path(output_dir).expanduser().resolve()
     _prepare_output(out, overwrite)
     ckpt = source if isinstance(source, MegatronCheckpoint) else load_megatron_checkpoint(
-        source, model_config=model_config, iteration=iteration)
+        source, model_config=model_config, iteration=iteration, weights_only=weights_only)
     tok_dir = _tokenizer_dir(tokenizer_dir, ckpt)
     vocab, eod = _check_tokenizer(tok_dir, ckpt.meta)
     hf_sd = megatron_to_hf_state_dict(ckpt.state_dict, ckpt.meta, vocab)
@@ -744,22 +751,26 @@ def convert_to_hf_cached(checkpoint_dir: str | os.PathLike, output_dir: str | os
 
 # =========================================================================== command line
 def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers.conversion CHECKPOINT OUTPUT_DIR [--tokenizer-dir D] [--iteration N] [--overwrite]``.
+    """``python -m helpers.conversion CHECKPOINT OUTPUT_DIR [--tokenizer-dir D] [--iteration N] [--overwrite] [--no-weights-only]``.
+
+    ``CHECKPOINT`` is the series' or Megatron-LM's (legacy ``mp_rank_00/model_optim_rng.pt``, or torch_dist).
 
     Returns:
         0 on success, 2 on a conversion error (printed to stderr).
     """
     parser = argparse.ArgumentParser(prog="python -m helpers.conversion",
                                      description="megatron-core checkpoint -> transformers GPT-2 folder")
-    parser.add_argument("checkpoint", help="checkpoints folder, iter_NNNNNNN folder or .pt state dict")
+    parser.add_argument("checkpoint", help="checkpoints folder, iter_NNNNNNN folder, .pt state dict or model_optim_rng.pt")
     parser.add_argument("output_dir", help="the transformers folder to write")
     parser.add_argument("--tokenizer-dir", default=None, help="default: the one recorded at training time")
     parser.add_argument("--iteration", type=int, default=None, help="default: the latest")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
+    parser.add_argument("--no-weights-only", dest="weights_only", action="store_false",
+                        help="unpickle every object of a .pt file, which runs code it names: only for files you trust")
     args = parser.parse_args(argv)
     try:
         r = convert_to_hf(args.checkpoint, args.output_dir, tokenizer_dir=args.tokenizer_dir,
-                          iteration=args.iteration, overwrite=args.overwrite)
+                          iteration=args.iteration, overwrite=args.overwrite, weights_only=args.weights_only)
     except (ConversionError, FileExistsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
