@@ -18,7 +18,6 @@ import enum
 import io
 import json
 import re
-import signal
 import sys
 import types
 
@@ -31,14 +30,10 @@ from helpers import conversion, megatron_lm
 from helpers import model as model_lib
 from helpers.demos import conversion_proofs as proofs
 from helpers.demos import generation
+from helpers.demos.megatron_lm_layout import WE, mlm_args, old_model_dict, write_legacy
 
 pytestmark = pytest.mark.timeout(300)
 
-WE = "embedding.word_embeddings.weight"
-#: megatron-core local-spec layer names -> the old Megatron-LM model's (inverse of what the reader maps).
-OLD_LAYER_NAMES = {"input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
-                   "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
-                   "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h"}
 COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
                    "mlp.linear_fc1.bias", WE, "output_layer.weight")
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -48,32 +43,6 @@ def cfg_of(gelu: str = "tanh", tied: bool = True) -> model_lib.ModelConfig:
     return model_lib.ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                                  max_position_embeddings=32, vocab_size=VOCAB, bias_activation_fusion=gelu == "tanh",
                                  share_embeddings_and_output_weights=tied)
-
-
-def mlm_args(cfg: model_lib.ModelConfig, tok_dir, tp: int = 1, era: str = "now", **overrides) -> argparse.Namespace:
-    """The arguments Megatron-LM saves (names of megatron/training/arguments.py), for ``cfg``."""
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer.enums import AttnBackend
-
-    a = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_size,
-             num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.hidden_size // cfg.num_attention_heads,
-             seq_length=cfg.seq_length, max_position_embeddings=cfg.max_position_embeddings,
-             padded_vocab_size=cfg.padded_vocab_size(tp), make_vocab_size_divisible_by=128, vocab_size=None,
-             tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-             untie_embeddings_and_output_weights=not cfg.share_embeddings_and_output_weights,
-             layernorm_epsilon=cfg.layernorm_epsilon, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
-             bias_gelu_fusion=cfg.bias_activation_fusion, openai_gelu=False, onnx_safe=None,
-             apply_query_key_layer_scaling=True, fp16=False, bf16=False, params_dtype=torch.float32,
-             tokenizer_type="GPT2BPETokenizer", vocab_file=str(tok_dir / "vocab.json"),
-             merge_file=str(tok_dir / "merges.txt"), micro_batch_size=4, global_batch_size=8, lr=5e-4,
-             exit_signal=signal.SIGTERM, data_path=["codeparrot_content_document"], iteration=5)
-    if era == "now":  # arguments that did not exist in 2022
-        a.update(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
-                 add_bias_linear=True, group_query_attention=False, num_query_groups=1, num_experts=None,
-                 transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=AttnBackend.auto,
-                 model_type=ModelType.encoder_or_decoder)
-    a.update(overrides)
-    return argparse.Namespace(**a)
 
 
 @contextlib.contextmanager
@@ -92,31 +61,6 @@ def old_megatron_enums():
         del sys.modules["megatron.model"], sys.modules["megatron.model.enums"]
 
 
-def qkv_in_version(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
-    """Today's ``[heads, 3, d]`` QKV rows as ``checkpoint_version`` 0 (``[3, heads, d]``) or 1.0 (``[heads, d, 3]``) stored them."""
-    d = t.shape[0] // (3 * heads)
-    x = t.reshape(heads, 3, d, *t.shape[1:])
-    x = x.transpose(0, 1) if version == 0 else x.transpose(1, 2) if version == 1.0 else x
-    return x.reshape(t.shape).contiguous()
-
-
-def old_model_dict(sd: dict, version: float, heads: int) -> dict:
-    """A local-spec state dict as the old model's nested ``state_dict_for_save_checkpoint`` (version 0: its oldest names)."""
-    block, attention = ("transformer", "attention") if version == 0 else ("encoder", "self_attention")
-    encoder: dict = {}
-    lm = {"embedding": {"word_embeddings": {"weight": sd[WE]},
-                        "position_embeddings": {"weight": sd["embedding.position_embeddings.weight"]}}, block: encoder}
-    for key, value in sd.items():
-        if m := re.match(r"^decoder\.layers\.(\d+)\.(.+)\.(weight|bias)$", key):
-            name = OLD_LAYER_NAMES[m[2]].replace("self_attention", attention)
-            if m[2] == "self_attention.linear_qkv":
-                value = qkv_in_version(value, version, heads)
-            encoder[f"layers.{m[1]}.{name}.{m[3]}"] = value
-        elif key.startswith("decoder.final_layernorm."):
-            encoder[key.replace("decoder.", "")] = value
-        elif key == "output_layer.weight":
-            lm["output_layer"] = {"weight": value}
-    return {"language_model": lm}
 
 
 def split_tensor_parallel(sd: dict, tp: int, rows: int, seed: int = 0) -> list[dict]:
@@ -131,23 +75,6 @@ def split_tensor_parallel(sd: dict, tp: int, rows: int, seed: int = 0) -> list[d
         for rank in range(tp):
             shards[rank][key] = value.chunk(tp, dim)[rank].clone() if dim is not None else value.clone()
     return shards
-
-
-def write_legacy(save_dir, shards: list[dict], args, version: float = 3.0, iteration: int = 5, folder: str | None = None):
-    """``save_dir/iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt`` + tracker, as save_checkpoint writes them."""
-    import numpy as np
-
-    name = folder or f"iter_{iteration:07d}"
-    for rank, model in enumerate(shards):
-        path = save_dir / name / f"mp_rank_{rank:02d}" / megatron_lm.MODEL_FILE
-        path.parent.mkdir(parents=True)
-        torch.save({"args": args, "checkpoint_version": version, "iteration": iteration, "model": model,
-                    "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 5e-4}]}},
-                    "opt_param_scheduler": {"num_steps": 40}, "num_floating_point_operations_so_far": 1.5e12,
-                    "rng_state": [{"random_rng_state": (3, tuple(range(5)), None), "np_rng_state": np.random.get_state(),
-                                   "torch_rng_state": torch.get_rng_state()}]}, path)
-    (save_dir / "latest_checkpointed_iteration.txt").write_text("release" if folder == "release" else str(iteration))
-    return save_dir
 
 
 def assert_exact(hf_dir, model, seed: int = 3) -> None:
