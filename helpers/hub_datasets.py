@@ -32,6 +32,7 @@ files, packaged builders) and "Stream"; ``huggingface_hub``'s environment variab
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import re
@@ -79,9 +80,18 @@ def load_arguments(source: str, split: str = "train", streaming: bool = True) ->
     kwargs: dict[str, Any] = {"split": split, "streaming": streaming}
     builder, colon, files = spec.partition(":")
     if colon and builder in BUILDERS and files:
-        return builder, {"data_files": str(Path(files).expanduser().resolve())} | kwargs
+        if "://" in files:  # a URL or hf:// path: datasets fetches it itself
+            return builder, {"data_files": files} | kwargs
+        files = str(Path(files).expanduser().resolve())
+        if not glob.glob(files):
+            raise FileNotFoundError(f"source={source!r}: no file matches {files}: check the path (absolute, or "
+                                    "relative to the notebooks/ folder papermill runs in) or the glob")
+        return builder, {"data_files": files} | kwargs
     if spec.startswith(("/", ".", "~")) or Path(spec).expanduser().exists():
         folder = Path(spec).expanduser().resolve()
+        if not folder.exists():
+            raise FileNotFoundError(f"source={source!r}: {folder} does not exist (a relative path is read from the "
+                                    "notebooks/ folder papermill runs in: give an absolute one)")
         if not folder.is_dir():
             raise FileNotFoundError(f"source={source!r}: {folder} is not a folder; for data files write "
                                     f"hf:json:{folder} (or another builder of {BUILDERS})")
@@ -108,10 +118,12 @@ def check_hub(path: str) -> None:
     """Raise at once when ``path`` (from :func:`load_arguments`) is a Hub dataset the Hub cannot serve.
 
     Local data (an absolute path or a builder of :data:`BUILDERS`) passes without a network call.
-    For a Hub id: refused when one of :data:`OFFLINE_VARIABLES` is true now or was when
-    ``huggingface_hub`` was imported; else one ``HEAD`` request to the Hub endpoint
-    (``HF_ENDPOINT``), through ``huggingface_hub``'s HTTP session (its proxies), must answer within
-    :data:`HUB_TIMEOUT` seconds.
+    For a Hub id: when ``huggingface_hub`` was imported in offline mode, ``load_dataset`` reads
+    its local cache only (a dataset downloaded before, the usual way on a cluster's compute
+    nodes) and fails at once on a miss, so this passes; offline mode switched on after that
+    import (one of :data:`OFFLINE_VARIABLES` set now) is refused here, because ``datasets``
+    would not see it; else one ``HEAD`` request to the Hub endpoint (``HF_ENDPOINT``), through
+    ``huggingface_hub``'s HTTP session (its proxies), must answer within :data:`HUB_TIMEOUT` seconds.
 
     Raises:
         ConnectionError: offline mode is on, or the Hub could not be reached; the message says
@@ -121,9 +133,11 @@ def check_hub(path: str) -> None:
         return
     from huggingface_hub import constants, get_session
 
+    if constants.HF_HUB_OFFLINE:
+        return  # load_dataset reads the local cache; a miss is a ConnectionError at once (read_dataset names it)
     flags = [name for name in OFFLINE_VARIABLES if os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")]
-    if flags or constants.HF_HUB_OFFLINE:
-        raise _offline_error(path, f"offline mode is on ({flags[0] if flags else 'HF_HUB_OFFLINE'}=1)")
+    if flags:
+        raise _offline_error(path, f"offline mode is on ({flags[0]}=1)")
     try:
         get_session().head(constants.ENDPOINT, timeout=HUB_TIMEOUT)
     except Exception as err:  # noqa: BLE001 - any failure of the one request means "not reachable"
@@ -155,7 +169,11 @@ def read_dataset(source: str, text_key: str = "content", max_docs: int | None = 
     try:
         dataset = load_dataset(path, **kwargs)
     except ConnectionError as err:
-        raise _offline_error(path, f"the Hub could not be reached ({err})") from None
+        from huggingface_hub import constants
+
+        why = ("offline mode is on (HF_HUB_OFFLINE=1) and the dataset is not in the local cache" if constants.HF_HUB_OFFLINE
+               else "the Hub could not be reached")
+        raise _offline_error(path, f"{why} ({err})") from None
     except ValueError as err:
         if "split" not in str(err).lower():
             raise

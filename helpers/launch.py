@@ -368,7 +368,7 @@ _ITER_LINE = "iteration "
 def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
            master_port: int | None = None, progress: bool = True, echo: bool = False,
            config_name: str = "run.json", env: dict[str, str] | None = None,
-           max_epochs: float | None = None) -> TrainingResult:
+           max_epochs: float = 16.0) -> TrainingResult:
     """Write ``run.json`` into the run folder and run the training script under torchrun, with a progress bar.
 
     ``cfg`` is a :class:`helpers.training_config.TrainingConfig`; the command is
@@ -387,7 +387,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
             bit-identical only between runs with the same thread count).
         max_epochs: refuse a run that would read its training data more often than this
-            (:func:`helpers.preflight.check_repeats`; None or 0: no limit).
+            (:func:`helpers.preflight.check_repeats`; default :data:`helpers.preflight.MAX_EPOCHS`;
+            0: no limit).
 
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
@@ -416,8 +417,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:
         check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun
-    if max_epochs:
-        preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
+    preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
     config_path = cfg.to_json(cfg.run_path / config_name)
     bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
     info: dict[str, str] = {}

@@ -29,10 +29,11 @@ from helpers import preprocess
 MAX_EPOCHS = 16.0
 
 #: Peak dense bf16 tensor-core FLOP/s (no sparsity) of common GPUs. Sources: NVIDIA data sheets
-#: (A100: 312 TFLOP/s; H100/H200 SXM: 989; H100 PCIe: 756; L40S: 362; A10G: 125; L4: 121).
+#: (A100: 312 TFLOP/s; H100/H200 SXM: 989; H100 PCIe: 756; H100 NVL: 835; L40S: 362; L40: 181;
+#: A10G: 125; L4: 121). The longest name found in the device name wins ("L40S" before "L4").
 PEAK_BF16_FLOPS: dict[str, float] = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
-    "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
+    "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "L4": 121e12,
 }
 
 #: Stated throughputs behind the time estimate (not measured on the machine at hand):
@@ -50,7 +51,9 @@ class RepeatedDataError(ValueError):
 def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
     """Peak dense bf16 FLOP/s of ``device_name`` (``torch.cuda.get_device_name()``), or
     ``override_tflops x 1e12``; ``None`` when the GPU is not in :data:`PEAK_BF16_FLOPS`."""
-    if override_tflops:
+    if override_tflops is not None:
+        if not override_tflops > 0:
+            raise ValueError(f"override_tflops={override_tflops}: give the GPU's peak dense bf16 TFLOP/s, a positive number")
         return override_tflops * 1e12
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if key in device_name:
@@ -58,7 +61,7 @@ def peak_flops(device_name: str, override_tflops: float | None = None) -> float 
     return None
 
 
-def train_tokens_per_epoch(data_prefix: str | Path, num_documents: int, split: str) -> int:
+def train_tokens_per_epoch(data_prefix: str | Path, split: str) -> int:
     """Tokens in the training part of ``split`` of the ``.bin/.idx`` at ``data_prefix``.
 
     The training documents are the first range of :func:`helpers.preprocess.split_document_ranges`
@@ -68,12 +71,18 @@ def train_tokens_per_epoch(data_prefix: str | Path, num_documents: int, split: s
 
     Raises:
         FileNotFoundError: no ``.bin/.idx`` at ``data_prefix`` (run notebook 01).
+        ValueError: the ``.idx`` cannot be read (the message says to remake it), or ``split`` is malformed.
     """
-    train = preprocess.split_document_ranges(num_documents, split)[0]
-    if train is None:
-        return 0
-    ds = preprocess.open_indexed_dataset(data_prefix)  # kept alive: its __del__ closes the mmap the lengths view
-    return int(ds.sequence_lengths[train[0]:train[1]].sum())
+    try:
+        ds = preprocess.open_indexed_dataset(data_prefix)  # kept alive: its __del__ closes the mmap the lengths view
+        lengths = ds.sequence_lengths
+    except (ValueError, AssertionError, OSError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(f"{data_prefix}.idx cannot be read ({type(err).__name__}: {err}): delete its data folder and "
+                         "rerun notebook 01") from None
+    train = preprocess.split_document_ranges(len(lengths), split)[0]
+    return 0 if train is None else int(lengths[train[0]:train[1]].sum())
 
 
 @dataclass
@@ -129,7 +138,8 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
         threads: CPU threads per process for the estimate (default ``torch.get_num_threads()``).
 
     Raises:
-        ValueError: a layout or batch the model and ``nproc`` cannot make (as :meth:`TrainingConfig.check`).
+        TypeError, ValueError: values :meth:`TrainingConfig.check` refuses (without its file
+            checks); on this machine's GPUs, more processes than GPUs; an unreadable ``.idx``.
     """
     import torch
 
@@ -138,17 +148,17 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
 
     if device is None:
         device = f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
+        if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+            raise ValueError(f"nproc_per_node={nproc} but this machine has {torch.cuda.device_count()} GPU(s): "
+                             "use at most one process per GPU")
+    cfg.check(world_size=nproc, files=False)
     precision = resolve_precision(cfg.precision) if cfg.precision == "auto" else cfg.precision
     dp = cfg.data_parallel_size(nproc)
     layout = model_lib.Layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, dp)
     memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
                             num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp))
-    if tokens_per_epoch is None and cfg.data_prefix is None:  # the run folder's own data, if made
-        try:
-            paths = preprocess.data_paths(cfg.run_path)
-            tokens_per_epoch = train_tokens_per_epoch(paths.data_prefix, paths.num_documents, paths.split)
-        except FileNotFoundError:
-            tokens_per_epoch = None
+    if tokens_per_epoch is None and Path(f"{cfg.data_prefix_path}.idx").is_file():
+        tokens_per_epoch = train_tokens_per_epoch(cfg.data_prefix_path, cfg.split)
     per_iteration = cfg.global_batch_size * cfg.model.seq_length
     total = per_iteration * cfg.train_iters
     fpt = model_lib.flops_per_token(cfg.model)
@@ -186,7 +196,16 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     names = {f.name for f in dataclasses.fields(training_config.TrainingConfig)} - {"model", "run_dir"}
     model = {k: v for k, v in parameters.items() if k in model_names} | {"vocab_size": vocab_size}
     model["max_position_embeddings"] = model.get("seq_length", training_config.PROFILES[base].model.seq_length)
-    cfg = training_config.profile(base, str(run_dir), model=model, **{k: v for k, v in parameters.items() if k in names})
+    settings = {k: v for k, v in parameters.items() if k in names}
+    base_cfg = training_config.PROFILES[base]
+    iters, warmup = settings.get("train_iters", base_cfg.train_iters), settings.get("lr_warmup_iters", base_cfg.lr_warmup_iters)
+    if isinstance(iters, int) and isinstance(warmup, int):
+        settings.setdefault("lr_decay_iters", max(iters, warmup + 1))  # as notebook 03 sets it
+    try:  # notebook 03 trains on the data's own split
+        settings["split"] = preprocess.data_paths(run_dir).split
+    except FileNotFoundError:
+        pass
+    cfg = training_config.profile(base, str(run_dir), model=model, **settings)
     return preflight(cfg, nproc=parameters.get("nproc_per_node") or max(1, torch.cuda.device_count()))
 
 
@@ -195,13 +214,17 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
 
     Raises:
         RepeatedDataError: ``plan.epochs > max_epochs`` (the message gives both ways out).
+        ValueError: ``max_epochs`` is not a finite number >= 0.
     """
+    if isinstance(max_epochs, bool) or not isinstance(max_epochs, (int, float)) or not 0 <= max_epochs < float("inf"):
+        raise ValueError(f"max_epochs={max_epochs!r} must be a finite number >= 0 (0: no limit; default {MAX_EPOCHS:g})")
     if max_epochs and plan.epochs is not None and plan.epochs > max_epochs:
         raise RepeatedDataError(
-            f"this run reads {plan.train_tokens:,} tokens, {plan.epochs:,.1f} epochs of the {plan.tokens_per_epoch:,} "
-            f"training tokens, more than max_epochs={max_epochs:g} (Muennighoff et al. 2023: repeats past about 16 "
-            "add almost nothing). Train fewer iterations or on more data (notebook 01: source=, package_files=), "
-            "or pass max_epochs=0 to run it anyway. Nothing was started.")
+            f"this run reads {plan.train_tokens:,} tokens, {plan.epochs:,.2f} epochs of the {plan.tokens_per_epoch:,} "
+            f"training tokens, more than max_epochs={max_epochs:g} (Muennighoff et al. 2023: the value of repeated "
+            "data falls off steeply past about 16 epochs). Train fewer iterations or on more data (notebook 01: "
+            "source=, package_files=, in a new run folder), or set max_epochs=0 (the runner: -p max_epochs=0) to run it "
+            "anyway. Nothing was started.")
 
 
 def summary(plan: Preflight) -> dict[str, Any]:

@@ -390,7 +390,7 @@ def run(
               f"which {folder} lacks.", flush=True)
         selected = sorted(selected + [p for p in notebooks() if p.stem in before])
     params = resolve_parameters(selected, profile, overrides, run_dir=str(folder))  # before any file is made
-    _print_preflight(selected, params, folder)  # refuses a run that repeats its data too often, if the data exists
+    plan = _print_preflight(selected, params, folder)  # refuses a run that repeats its data too often, if the data exists
     results.run_path(folder)
     report.record_start(folder, profile=profile, overrides=overrides, notebooks=[p.stem for p in notebooks()])
     latest = RUNS_DIR / "latest"
@@ -403,6 +403,8 @@ def run(
     print(f"Run folder: {folder}  (profile {profile}, {len(selected)} notebooks)", flush=True)
     for i, path in enumerate(selected, 1):
         output = executed / path.name
+        if path.stem == "03_training" and plan is not None and plan.epochs is None:
+            _print_preflight(selected, params, folder)  # notebook 01 has made the data now: the epochs are known
         print(f"[{i}/{len(selected)}] {path.stem} ...", flush=True)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir:
@@ -428,29 +430,37 @@ def run(
     return done
 
 
-def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], folder: Path) -> None:
+def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], folder: Path):
     """Print notebook 03's preflight (:mod:`helpers.preflight`) for the parameters it will get.
 
+    Returns:
+        The :class:`helpers.preflight.Preflight`, or None when notebook 03 is not selected.
+
     Raises:
-        ParameterError: the data exists and the run would read it more than ``max_epochs`` times.
+        ParameterError: the data exists and the run would read it more than ``max_epochs`` times;
+            values no run can have (a global batch that does not divide, ``train_iters=0``...);
+            data that cannot be read.
     """
     from helpers import preflight, preprocess
 
     path = next((p for p in selected if p.stem == "03_training"), None)
     if path is None:
-        return
+        return None
     values = {n: ast.literal_eval(i["default"]) for n, i in notebook_parameters(path).items()} | params[path.stem]
     try:
         vocab = preprocess.data_paths(folder).vocab_size
     except FileNotFoundError:  # notebook 01 runs first: its vocab_size parameter
         first = next(p for p in notebooks() if p.stem == "01_data_preprocessing")
         vocab = params.get(first.stem, {}).get("vocab_size") or ast.literal_eval(notebook_parameters(first)["vocab_size"]["default"])
-    plan = preflight.plan_for_parameters(values, vocab, folder)
-    print("Preflight of 03_training (helpers/preflight.py):\n  " + plan.text().replace("\n", "\n  "), flush=True)
     try:
+        plan = preflight.plan_for_parameters(values, vocab, folder)
+        print("Preflight of 03_training (helpers/preflight.py):\n  " + plan.text().replace("\n", "\n  "), flush=True)
         preflight.check_repeats(plan, values.get("max_epochs", preflight.MAX_EPOCHS))
     except preflight.RepeatedDataError as err:
-        raise ParameterError(f"{err} (-p max_epochs=0)") from None
+        raise ParameterError(str(err)) from None
+    except (TypeError, ValueError, OSError) as err:  # values no run can have, unreadable data: before anything runs
+        raise ParameterError(f"notebook 03 cannot train with these parameters: {err}") from None
+    return plan
 
 
 def _report_card(write, folder: Path) -> Path | str:

@@ -183,8 +183,9 @@ class TrainingConfig:
             )
         return world_size // mp
 
-    def check(self, world_size: int = 1) -> None:
-        """Validate the config for ``world_size`` processes before anything starts.
+    def check(self, world_size: int = 1, *, files: bool = True) -> None:
+        """Validate the config for ``world_size`` processes before anything starts
+        (``files=False``: the values only, not the data and tokenizer files).
 
         Raises:
             TypeError: a field of another type than declared (``train_iters=2.5``,
@@ -240,6 +241,8 @@ class TrainingConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         resolve_precision(self.precision)
+        if not files:
+            return
         prefix = self.data_prefix_path
         missing = [str(prefix) + ext for ext in (".bin", ".idx") if not Path(str(prefix) + ext).exists()]
         if missing:

@@ -6,6 +6,7 @@ and unreachable Hub errors (no network is used)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -116,7 +117,8 @@ def test_a_missing_text_column_names_the_columns_and_text_key(tmp_path):
     ("hf:yaml:/tmp/x.yaml", ValueError, r"builder of \('json'"),
     ("hf:json:", ValueError, "the files after it"),
     ("hf:a/b/c", ValueError, "hf:OWNER/NAME"),
-    ("hf:./no-such-folder", FileNotFoundError, "is not a folder"),
+    ("hf:./no-such-folder", FileNotFoundError, "no-such-folder does not exist"),
+    ("hf:json:/no/such/files-*.jsonl", FileNotFoundError, "no file matches /no/such/files-"),
 ])
 def test_bad_spellings_say_what_to_write(source, error, match):
     with pytest.raises(error, match=match):
@@ -126,6 +128,9 @@ def test_bad_spellings_say_what_to_write(source, error, match):
 def test_the_spellings_are_load_dataset_calls_with_absolute_local_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.parquet").write_bytes(b"")
+    assert hub_datasets.load_arguments("hf:json:https://example.com/d.jsonl")[1]["data_files"] == "https://example.com/d.jsonl"
     assert hub_datasets.load_arguments("hf:codeparrot/codeparrot-clean-train", "valid", False) == (
         "codeparrot/codeparrot-clean-train", {"split": "valid", "streaming": False})
     assert hub_datasets.load_arguments("hf:parquet:data/*.parquet")[1]["data_files"] == str(tmp_path / "data" / "*.parquet")
@@ -180,3 +185,16 @@ def test_the_default_source_never_imports_datasets():
     code = "import sys, helpers.corpus, helpers.data_stage; print('datasets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip() == "False"
+
+
+def test_offline_from_the_start_reads_the_cache_and_names_a_miss():
+    """HF_HUB_OFFLINE=1 before anything is imported (a cluster's compute node): load_dataset may use
+    the local cache, so it is called; a dataset that is not cached fails at once with the hint."""
+    code = ("from helpers import hub_datasets\n"
+            "try:\n    list(hub_datasets.read_dataset('hf:codeparrot/never-cached-here'))\n"
+            "except ConnectionError as err:\n    print('ConnectionError:', err)\n")
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    assert "offline mode is on (HF_HUB_OFFLINE=1) and the dataset is not in the local cache" in out
+    assert "hf:json:" in out and time.perf_counter() - start < 60

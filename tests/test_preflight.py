@@ -3,6 +3,9 @@ run that repeats its data too often (notebook 03, launch.train and the series ru
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -27,16 +30,26 @@ def test_tokens_per_epoch_are_the_training_documents_of_the_idx(run_with_data):
     first, end = preprocess.split_document_ranges(paths.num_documents, "90,8,2")[0]
     assert first == 0 and 0 < end < paths.num_documents
     expected = int(lengths[:end].sum())
-    assert preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, "90,8,2") == expected
+    assert preflight.train_tokens_per_epoch(paths.data_prefix, "90,8,2") == expected
     assert expected < int(lengths.sum())  # the validation and test documents are not counted
-    assert preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, "0,1,0") == 0
+    assert preflight.train_tokens_per_epoch(paths.data_prefix, "0,1,0") == 0
+
+
+def test_an_unreadable_idx_is_named_with_the_fix(tmp_path):
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "d.idx").write_bytes(b"not an index")
+    with pytest.raises(ValueError, match=r"d.idx cannot be read .*rerun notebook 01"):
+        preflight.train_tokens_per_epoch(tmp_path / "d", "90,8,2")
+    with pytest.raises(FileNotFoundError, match="notebook 01"):
+        preflight.train_tokens_per_epoch(tmp_path / "missing", "90,8,2")
 
 
 def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
-    cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512}, train_iters=50)
+    cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512}, train_iters=50, lr_warmup_iters=5,
+                                  split="90,8,2")  # the split training reads with: the data's own, as notebook 03 passes it
     plan = preflight.preflight(cfg, nproc=1, device="cpu", threads=2)
     paths = preprocess.data_paths(run_with_data)
-    per_epoch = preflight.train_tokens_per_epoch(paths.data_prefix, paths.num_documents, paths.split)
+    per_epoch = preflight.train_tokens_per_epoch(paths.data_prefix, paths.split)
     assert plan.tokens_per_iteration == 4 * 128 and plan.train_tokens == 50 * 4 * 128
     assert plan.tokens_per_epoch == per_epoch and plan.epochs == pytest.approx(50 * 512 / per_epoch)
     expected_memory = memory.memory_per_gpu(cfg.model, model.Layout(1, 1, 1), micro_batch_size=4, precision="fp32")
@@ -62,12 +75,53 @@ def test_a_run_that_repeats_its_data_too_often_is_refused_unless_asked():
     cfg = training_config.profile("codeparrot-small", "/nonexistent-run", model={"vocab_size": 8192}, precision="fp32")
     plan = preflight.preflight(cfg, nproc=8, tokens_per_epoch=5_675_565, device="cpu", threads=2)
     assert plan.epochs == pytest.approx(150_000 * 192 * 1024 / 5_675_565)  # the guide over this corpus: ~5,200
-    with pytest.raises(preflight.RepeatedDataError, match=r"5,196.2 epochs .* max_epochs=16 .*max_epochs=0"):
+    with pytest.raises(preflight.RepeatedDataError, match=r"5,196.17 epochs .* max_epochs=16 .*max_epochs=0"):
         preflight.check_repeats(plan)
     preflight.check_repeats(plan, max_epochs=0)  # asked for: no limit
     preflight.check_repeats(plan, max_epochs=6000)
     unknown = preflight.preflight(cfg, nproc=8, tokens_per_epoch=None, device="cpu")
     preflight.check_repeats(unknown)  # no data yet: nothing to refuse (notebook 03 checks once it exists)
+
+
+def test_max_epochs_must_be_a_finite_number_at_least_zero():
+    cfg = training_config.profile("cpu", "/nonexistent-run", model={"vocab_size": 512})
+    plan = preflight.preflight(cfg, tokens_per_epoch=10**9, device="cpu")
+    for bad in (-1, float("nan"), float("inf"), "16", True):
+        with pytest.raises(ValueError, match="max_epochs=.* must be a finite number >= 0"):
+            preflight.check_repeats(plan, bad)
+
+
+def test_values_no_run_can_have_are_refused_by_the_preflight(monkeypatch):
+    cfg = training_config.profile("cpu", "/nonexistent-run", model={"vocab_size": 512})
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="train_iters=0 must be >= 1"):
+        preflight.preflight(replace(cfg, train_iters=0), device="cpu")
+    with pytest.raises(ValueError, match="global_batch_size=6 is not divisible"):
+        preflight.preflight(replace(cfg, global_batch_size=6), device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    with pytest.raises(ValueError, match="nproc_per_node=2 but this machine has 1 GPU"):
+        preflight.preflight(replace(cfg, precision="fp32"), nproc=2)
+
+
+def test_peak_flops_prefers_the_longest_name_and_refuses_a_bad_override():
+    assert preflight.peak_flops("NVIDIA L40S") == 362e12 and preflight.peak_flops("NVIDIA L40") == 181e12
+    assert preflight.peak_flops("NVIDIA L4") == 121e12 and preflight.peak_flops("NVIDIA H100 NVL") == 835e12
+    with pytest.raises(ValueError, match="positive"):
+        preflight.peak_flops("NVIDIA H200", 0)
+
+
+def test_a_data_prefix_given_explicitly_is_read_too(run_with_data, tmp_path):
+    """launch.train's check must not depend on where the data lives (it passed a 56,000-epoch run)."""
+    paths = preprocess.data_paths(run_with_data)
+    cfg = training_config.profile("codeparrot-small", str(tmp_path / "elsewhere"), model={"vocab_size": 512},
+                                  data_prefix=str(paths.data_prefix), tokenizer_dir=str(paths.tokenizer_dir),
+                                  split=paths.split, precision="fp32")
+    plan = preflight.preflight(cfg, nproc=8, device="cpu")
+    assert plan.tokens_per_epoch == preflight.train_tokens_per_epoch(paths.data_prefix, paths.split) > 0
+    with pytest.raises(preflight.RepeatedDataError):
+        preflight.check_repeats(plan)
 
 
 def test_launch_train_refuses_before_anything_starts(run_with_data):
@@ -76,7 +130,8 @@ def test_launch_train_refuses_before_anything_starts(run_with_data):
                                   "max_position_embeddings": 64},
                                   split="90,8,2", train_iters=100_000, save_interval=None)
     with pytest.raises(preflight.RepeatedDataError, match="Nothing was started"):
-        launch.train(cfg, max_epochs=16.0, progress=False)
+        launch.train(cfg, progress=False)  # the default limit, preflight.MAX_EPOCHS
+    assert inspect.signature(launch.train).parameters["max_epochs"].default == preflight.MAX_EPOCHS
     assert not (run_with_data / "run.json").exists() and not (run_with_data / "training.log").exists()
 
 
@@ -86,6 +141,11 @@ def test_the_runner_prints_the_plan_and_refuses_the_guides_run_over_a_small_corp
     out = capsys.readouterr().out
     assert "Preflight of 03_training" in out and "29,491,200,000" in out  # 150,000 x 192 x 1,024 tokens
     assert not (run_with_data / "executed").exists()  # refused before any notebook ran
+    for bad, match in (("global_batch_size=6", "global_batch_size=6 is not divisible"), ("train_iters=0", "train_iters=0"),
+                       ("max_epochs=-1", "max_epochs=-1")):
+        with pytest.raises(series.ParameterError, match=f"notebook 03 cannot train with these parameters: .*{match}"):
+            series.run("cpu", dict([series.parse_override(bad)]), run_dir=run_with_data, only=["03"])
+    assert not (run_with_data / "executed").exists()
 
 
 def test_gpu_is_the_default_profile_with_a_gpu_and_matches_its_training_profile(monkeypatch):
@@ -101,3 +161,22 @@ def test_gpu_is_the_default_profile_with_a_gpu_and_matches_its_training_profile(
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         assert runner[name] == getattr(cfg.model, name) == getattr(model.PROFILES["codeparrot-small"], name), name
     assert series.PROFILES["gpu"]["01_data_preprocessing"]["vocab_size"] == cfg.model.vocab_size
+
+
+def test_the_runner_checks_again_once_notebook_01_has_made_the_data(run_with_data, tmp_path, monkeypatch):
+    """A fresh folder: the epochs are unknown at the start; the refusal comes before notebook 03 runs."""
+    import shutil
+
+    import papermill
+
+    ran = []
+
+    def fake_execute(path, output, **kwargs):  # notebook 01 "makes" the data: a copy of the fixture's
+        ran.append(Path(path).stem)
+        if Path(path).stem == "01_data_preprocessing":
+            shutil.copytree(run_with_data / "data", tmp_path / "fresh" / "data")
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    with pytest.raises(series.ParameterError, match="epochs .* more than max_epochs=16"):
+        series.run("codeparrot-small", run_dir=tmp_path / "fresh", only=["01", "03"])
+    assert ran == ["01_data_preprocessing"]  # notebook 03 never started

@@ -35,7 +35,7 @@ def test_an_orphaned_trainer_saves_and_stops_and_frees_the_run_folder(data, tmp_
 
     def train():
         try:
-            launch.train(cfg, progress=False, timeout_s=300, env={"OMP_NUM_THREADS": "1"})
+            launch.train(cfg, progress=False, timeout_s=300, env={"OMP_NUM_THREADS": "1"}, max_epochs=0)  # killed long before
         except Exception as err:
             box["err"] = err
 
@@ -98,7 +98,7 @@ def test_a_trainer_whose_kernel_dies_saves_its_checkpoint(data, tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text("import sys\nfrom helpers import launch, training_config\n"
                       "cfg = training_config.TrainingConfig.from_json(sys.argv[1])\n"
-                      "launch.train(cfg, progress=False, timeout_s=300, env={'OMP_NUM_THREADS': '1'})\n")
+                      "launch.train(cfg, progress=False, timeout_s=300, env={'OMP_NUM_THREADS': '1'}, max_epochs=0)\n")
     config = cfg.to_json(tmp_path / "given.json")
     root = Path(__file__).resolve().parent.parent
     kernel = subprocess.Popen([sys.executable, str(script), str(config)], cwd=root, start_new_session=True,
