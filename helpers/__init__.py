@@ -1,20 +1,22 @@
 """Helpers for the megatron-core GPT notebook series, in three kinds.
 
 **The learner's path** (what the notebooks teach, in reading order; each module a sitting):
-``corpus`` (CodeParrot's cleaning) -> ``tokenizer`` (byte-level BPE) -> ``preprocess``
+``corpus`` (CodeParrot's cleaning; ``hub_datasets``: a 🤗 dataset as the source) -> ``tokenizer`` (byte-level BPE) -> ``preprocess``
 (``.bin/.idx`` with ``IndexedDatasetBuilder``) -> ``dataloader`` (``GPTDatasetConfig`` +
 ``BlendedMegatronDatasetBuilder``) -> ``model`` (``TransformerConfig``, ``GPTModel``,
-``attention``) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, schedule, clipping)
+``attention``; ``memory``: bytes per GPU) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, schedule, clipping)
 -> ``training_config`` + ``training`` (the ``pretrain_gpt.py`` counterpart) -> ``checkpointing``
-(``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map) -> ``evaluation``
+(``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map; ``megatron_lm``:
+checkpoints Megatron-LM wrote itself) -> ``evaluation``
 (bits per byte against gzip, sampling, syntax validity, pass@k).
 
 **Demonstrations** (``helpers.demos``): what one notebook uses to *show* something (timings,
 simulations, drawings, proofs); each module names its notebook and nothing above imports them.
 
 **Plumbing**: ``series`` (the papermill runner and the stage order), ``data_stage`` (notebook 01's
-cached stage), ``launch`` (torchrun from a notebook), ``run_guard`` (a job stops with its launcher;
-one job per run folder), ``metrics``, ``encoders`` (fast tokenizing), ``results``, ``environment``,
+cached stage), ``preflight`` (epochs, memory and time of a run before it starts), ``launch``
+(torchrun from a notebook), ``run_guard`` (a job stops with its launcher;
+one job per run folder), ``metrics``, ``encoders`` (fast tokenizing), ``results``, ``report`` (the report card), ``environment``,
 ``cpu_compat`` (megatron-core on a CPU), ``quiet``.
 
 Import modules explicitly, e.g. ``from helpers import corpus, results``. Nothing here
