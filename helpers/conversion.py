@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         r = convert_to_hf(args.checkpoint, args.output_dir, tokenizer_dir=args.tokenizer_dir,
                           iteration=args.iteration, overwrite=args.overwrite, weights_only=args.weights_only)
-    except (ConversionError, FileExistsError, FileNotFoundError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError) as err:  # ConversionError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {r.output_dir} ({r.num_parameters:,} parameters, vocab {r.vocab_size}, "

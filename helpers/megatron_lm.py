@@ -48,9 +48,12 @@ unless allowed. :func:`load_pickle` allows :data:`HARMLESS_GLOBALS` and reads cl
 Megatron-LM's own modules (enums such as the old ``megatron.model.enums.ModelType``, whose module
 no longer exists) as inert stand-ins; anything else is refused with its names. ``weights_only=False``
 unpickles everything, which runs whatever code the file names: only for files you trust. In a
-torch_dist folder ``.metadata`` is always read with plain ``pickle`` by torch
-(``torch/distributed/checkpoint/filesystem.py`` ``FileSystemReader.read_metadata``), whatever
-``weights_only`` says; so such a folder must come from a trusted source in any case.
+torch_dist folder, torch reads ``.metadata`` with plain ``pickle``
+(``torch/distributed/checkpoint/filesystem.py`` ``FileSystemReader.read_metadata``); here it is
+read with :class:`_RestrictedMetadataUnpickler` (only ``torch.distributed.checkpoint``'s own
+classes, ``torch.Size``, dtypes) unless ``weights_only=False``. This is what was checked with
+crafted files; it is a restriction of what unpickling may call, not a proof that a hostile file
+is harmless (a file that crashes the reader is still possible): prefer checkpoints you trust.
 
 Sources: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``,
 ``find_checkpoint_rank_0``, ``read_metadata``, ``save_checkpoint``, ``generate_state_dict``,
@@ -266,6 +269,73 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
 
 
 # =========================================================================== the architecture
+#: What a torch_dist ``.metadata`` pickle may name (torch 2.14's ``torch.distributed.checkpoint``
+#: dataclasses and enums, ``torch.Size``, dtypes, layouts); :class:`_RestrictedMetadataUnpickler`.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A name :class:`_RestrictedMetadataUnpickler` does not unpickle."""
+
+
+class _RestrictedMetadataUnpickler(pickle.Unpickler):
+    """Unpickles a torch_dist ``.metadata`` naming only :data:`_DCP_MODULES` classes and plain torch
+    values; torch's ``FileSystemReader.read_metadata`` uses plain ``pickle.load``, which runs any code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        plain = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+        if module in _DCP_MODULES or (module, name) in plain or module == "torch":
+            found = super().find_class(module, name)
+            if (module in _DCP_MODULES and isinstance(found, type)) or (module, name) in plain or isinstance(found, torch.dtype):
+                return found
+        raise _Refused(f"{module}.{name}")
+
+
+def _dcp_reader(folder: Path, weights_only: bool):
+    """``torch.distributed.checkpoint.FileSystemReader`` whose ``.metadata`` is read with
+    :class:`_RestrictedMetadataUnpickler` when ``weights_only`` (plain ``pickle`` otherwise)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            if not weights_only:
+                return super().read_metadata(*args, **kwargs)
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                try:
+                    metadata = _RestrictedMetadataUnpickler(f).load()
+                except _Refused as err:
+                    raise ConversionError(
+                        f"{folder}/.metadata names {err}, which a torch_dist checkpoint's metadata does not need: "
+                        "unpickling it could run code from the file. Only if you trust the folder, pass "
+                        "weights_only=False (command line: --no-weights-only).") from None
+                except Exception as err:  # truncated or not a pickle
+                    raise ConversionError(f"{folder}/.metadata cannot be read ({type(err).__name__}: {err}): "
+                                          "the checkpoint is damaged or not a torch_dist folder") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(str(folder))
+
+
+def _dcp_load(request: dict, folder: Path, weights_only: bool, **kwargs: Any) -> None:
+    """``torch.distributed.checkpoint.load`` of ``request`` from ``folder``; a damaged folder is a
+    :class:`ConversionError` (torch's ``CheckpointException`` is a ``BaseException``)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = _dcp_reader(folder, weights_only)
+    reader.read_metadata()  # its refusal or damage as a ConversionError (inside load, torch would wrap it)
+    try:
+        load(request, storage_reader=reader, no_dist=True, **kwargs)
+    except (Exception, CheckpointException) as err:
+        raise ConversionError(f"{folder} cannot be read ({type(err).__name__}: {str(err)[:300]}): the checkpoint is "
+                              "damaged (a save interrupted?) or not a torch_dist folder") from None
+
+
 def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_model: bool = False) -> dict[str, Any]:
     """``ModelConfig.to_metadata()`` of the GPT that Megatron-LM's ``args`` describe, refusing what GPT-2 cannot hold.
 
@@ -287,6 +357,10 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     """
     a = dict(args) if isinstance(args, Mapping) else dict(vars(args))
     heads, hidden = a.get("num_attention_heads"), a.get("hidden_size")
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if a.get(k) is None]
+    if missing:
+        raise ConversionError(f"the checkpoint's args lack {missing}: pass model_config= (a helpers.model.ModelConfig "
+                              "of the trained model; Python only)")
     refuse = {  # argument: (value, why), when the value is one GPT-2 cannot express
         "position_embedding_type": a.get("position_embedding_type", "learned_absolute") != "learned_absolute",
         "use_rotary_position_embeddings": bool(a.get("use_rotary_position_embeddings")),
@@ -304,6 +378,11 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         "softmax_scale": a.get("softmax_scale") is not None, "mtp_num_layers": bool(a.get("mtp_num_layers")),
         "hybrid_layer_pattern": a.get("hybrid_layer_pattern") is not None,
         "heterogeneous_layers_config_path": a.get("heterogeneous_layers_config_path") is not None,
+        # TransformerConfig fields (arguments of the same name) that change the computation but add no tensor
+        "window_size": a.get("window_size") is not None, "qk_l2_norm": bool(a.get("qk_l2_norm")),
+        "use_mup": bool(a.get("use_mup")), "softmax_type": a.get("softmax_type", "vanilla") not in (None, "vanilla"),
+        "attention_output_gate": bool(a.get("attention_output_gate")),
+        "enable_mhc_connections": bool(a.get("enable_mhc_connections")),
     }
     bad = [f"{k}={a.get(k)!r}" for k, v in refuse.items() if v]
     if bad:
@@ -311,15 +390,14 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
             f"the checkpoint's args describe a model GPT-2 cannot represent: {', '.join(bad)} (GPT-2 is learned "
             "absolute positions, LayerNorm with bias, a GELU MLP without gate, biases everywhere, one key/value head "
             "per query head). Convert it to a model class that has these features (e.g. LlamaForCausalLM).")
-    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if a.get(k) is None]
     padded = a.get("padded_vocab_size")
-    tp = int(a.get("tensor_model_parallel_size") or 1)
+    tp = int(a.get("tensor_model_parallel_size") or a.get("model_parallel_size") or 1)  # before 3.0: model_parallel_size
     multiple = int(a.get("make_vocab_size_divisible_by") or 128) * tp
     if padded is None and a.get("vocab_size"):
         padded = -(-int(a["vocab_size"]) // multiple) * multiple
-    if missing or padded is None:
-        raise ConversionError(f"the checkpoint's args lack {missing + ([] if padded else ['padded_vocab_size'])}: "
-                              "pass model_config= (a helpers.model.ModelConfig of the trained model)")
+    if padded is None:
+        raise ConversionError("the checkpoint's args lack padded_vocab_size (and vocab_size): pass model_config= "
+                              "(a helpers.model.ModelConfig of the trained model; Python only)")
     bias_gelu = bool(a.get("bias_gelu_fusion")) and a.get("add_bias_linear", True) is not False
     tanh = bias_gelu or bool(a.get("use_te_activation_func")) or (old_model and bool(a.get("openai_gelu")))
     try:
@@ -336,7 +414,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         raise ConversionError(f"the checkpoint's args do not describe a valid GPT: {err}") from err
     exact = a.get("vocab_size")
     vocab_file, tok_model = a.get("vocab_file"), a.get("tokenizer_model")
-    tok_dir = Path(vocab_file).parent if vocab_file else tok_model if tok_model and Path(str(tok_model)).is_dir() else None
+    tok_dir = (Path(vocab_file).parent if vocab_file and Path(vocab_file).is_absolute()  # relative: to a training folder unknown here
+               else tok_model if tok_model and Path(str(tok_model)).is_absolute() and Path(str(tok_model)).is_dir() else None)
     sizes = [int(exact), int(exact)] if exact else [int(padded) - multiple + 1, int(padded)]
     return {**cfg.to_metadata(tp), "vocab_size_range": sizes, "tensor_model_parallel_size": tp,
             "pipeline_model_parallel_size": int(a.get("pipeline_model_parallel_size") or 1),
@@ -419,7 +498,7 @@ def merge_tensor_parallel(shards: list[dict[str, Any]], where: str) -> dict[str,
     for key, first in shards[0].items():
         parts = [s[key] for s in shards]
         dim = next((d for pattern, d in _TP_DIM if pattern.search(key)), None)
-        if len(shards) == 1 or not torch.is_tensor(first):
+        if len(shards) == 1 or not torch.is_tensor(first) or key.endswith("_extra_state"):  # FP8 state differs per rank
             out[key] = first
         elif dim is not None:
             out[key] = torch.cat(parts, dim)
@@ -447,6 +526,10 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
     if lacking:
         raise ConversionError(f"{path}: {lacking} missing; a torch-format Megatron-LM checkpoint has "
                               f"mp_rank_00/{MODEL_FILE} and one more per tensor-parallel rank: copy the whole iteration folder")
+    expected = [f"mp_rank_{i:02d}" for i in range(len(files))]
+    if path.is_dir() and [f.parent.name for f in files] != expected:
+        raise ConversionError(f"{path} holds {[f.parent.name for f in files]}, not {expected}: a tensor-parallel rank "
+                              "is missing; copy every mp_rank_XX folder of the iteration")
     first = load_pickle(files[0], weights_only=weights_only)
     if not isinstance(first, Mapping) or not isinstance(first.get("model"), Mapping) or meta is None and "args" not in first:
         found = list(first)[:8] if isinstance(first, Mapping) else type(first).__name__
@@ -454,7 +537,7 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
                               f"with args and a model (found {found}): pass model_config= (a helpers.model.ModelConfig "
                               "or its to_metadata() dict)")
     args, version = _args_dict(first.get("args")), float(first.get("checkpoint_version", 0))
-    tp = int(args.get("tensor_model_parallel_size") or len(files))
+    tp = int(args.get("tensor_model_parallel_size") or args.get("model_parallel_size") or len(files))
     if tp != len(files):
         raise ConversionError(f"{path}: args say tensor_model_parallel_size={tp} but {len(files)} rank file(s) "
                               f"were found: copy every mp_rank_XX folder of the iteration")
@@ -481,7 +564,6 @@ def read_common_state(folder: str | os.PathLike, *, weights_only: bool = True) -
     if (folder / COMMON_FILE).is_file():
         return load_pickle(folder / COMMON_FILE, weights_only=weights_only)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _BytesPlanner(DefaultLoadPlanner):
@@ -490,33 +572,30 @@ def read_common_state(folder: str | os.PathLike, *, weights_only: bool = True) -
 
     key = ShardedObject("common_state", None, (1,), (0,)).unique_key
     request = {key: io.BytesIO()}
-    try:
-        load(request, storage_reader=FileSystemReader(str(folder)), planner=_BytesPlanner(flatten_state_dict=False),
-             no_dist=True)
-    except Exception as err:  # torch's CheckpointException, or a missing key
-        raise ConversionError(f"{folder} has no {COMMON_FILE} and no readable common_state ({type(err).__name__}): "
-                              "not a megatron-core dist_checkpointing folder, or a damaged one") from err
+    _dcp_load(request, folder, weights_only, planner=_BytesPlanner(flatten_state_dict=False))
     loaded = load_pickle(request[key], weights_only=weights_only)
     return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
 
 
-def read_torch_dist_tensors(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], list[str]]:
+def read_torch_dist_tensors(folder: str | os.PathLike, *, weights_only: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
     """GPTModel's tensors of a torch_dist folder at their global shapes, per layer (``decoder.layers.{i}.*``).
 
     Reads through ``torch.distributed.checkpoint`` directly (tensors are loaded with
-    ``weights_only=True``; megatron-core's ``dist_checkpointing.load`` would also unpickle the
-    common state without restriction). Any tensor-parallel size: each request is a whole tensor.
+    ``weights_only=True``; the ``.metadata`` pickle, which torch reads with plain ``pickle``, with
+    :class:`_RestrictedMetadataUnpickler` unless ``weights_only=False``; megatron-core's
+    ``dist_checkpointing.load`` would unpickle both without restriction). Any tensor-parallel
+    size: each request is a whole tensor.
 
     Returns:
         ``(tensors, non_model_keys)``; ``decoder.layers.X`` ``[layers, ...]`` split into layers.
     """
-    from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata, load
+    from torch.distributed.checkpoint import TensorStorageMetadata
 
-    reader = FileSystemReader(str(folder))
-    stored = reader.read_metadata().state_dict_metadata
+    folder = Path(folder)
+    stored = _dcp_reader(folder, weights_only).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in stored.items()
             if isinstance(m, TensorStorageMetadata) and k.startswith(_MODEL_KEY_PREFIXES)}
-    load(want, storage_reader=reader, no_dist=True)
+    _dcp_load(want, folder, weights_only)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in want.items():
         if key.startswith("decoder.layers.") and not re.match(r"^decoder\.layers\.\d+\.", key):
@@ -559,6 +638,6 @@ def read_checkpoint(path: str | os.PathLike, fmt: str, meta: Mapping[str, Any] |
         raise ConversionError(f"no {checkpointing.MODEL_CONFIG_FILE} next to {path} and its common state holds no "
                               "Megatron-LM args: pass model_config= (a helpers.model.ModelConfig of the trained model)")
     meta = meta if meta is not None else metadata_from_args(_args_dict(common["args"]))
-    tensors, non_model = read_torch_dist_tensors(path)
+    tensors, non_model = read_torch_dist_tensors(path, weights_only=weights_only)
     iteration, version = common.get("iteration"), common.get("checkpoint_version", 3.0)
     return tensors, {**meta, "iteration": iteration, "checkpoint_version": version}, iteration, fmt, non_model

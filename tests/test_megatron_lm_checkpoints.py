@@ -17,6 +17,7 @@ import datetime
 import enum
 import io
 import json
+import os
 import re
 import sys
 import types
@@ -168,6 +169,35 @@ def test_megatron_lm_torch_dist_converts_exactly(tmp_path, tokenizer_dir, common
     assert all(torch.equal(ckpt.state_dict[k], v) for k, v in weights(model).items())
     conversion.convert_to_hf(ckpt, tmp_path / "hf", tokenizer_dir=tokenizer_dir)
     assert_exact(tmp_path / "hf", model, seed=7)
+    if common == "common_state":  # damaged and crafted copies of the same folder
+        _check_damaged_and_crafted_metadata(folder, tmp_path)
+
+
+def _check_damaged_and_crafted_metadata(folder, tmp_path) -> None:
+    """A truncated shard or .metadata is a ConversionError; a .metadata whose pickle calls os.system
+    is refused without running it (torch's FileSystemReader would run it: plain pickle.load)."""
+    import pickle
+    import shutil
+
+    for name in (".metadata", "__0_0.distcp"):
+        broken = tmp_path / f"broken{name}" / "iter_0000007"
+        shutil.copytree(folder, broken)
+        data = (broken / name).read_bytes()
+        (broken / name).write_bytes(data[:len(data) // 2])
+        with pytest.raises(conversion.ConversionError, match="cannot be read"):
+            conversion.load_megatron_checkpoint(broken)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    crafted = tmp_path / "crafted" / "iter_0000007"
+    shutil.copytree(folder, crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(conversion.ConversionError, match=r"\.metadata names posix.system.*--no-weights-only"):
+        conversion.load_megatron_checkpoint(crafted)
+    assert not marker.exists()
 
 
 # --------------------------------------------------------------------------- refusals
@@ -176,6 +206,9 @@ def test_megatron_lm_torch_dist_converts_exactly(tmp_path, tokenizer_dir, common
     (dict(position_embedding_type="rope"), "position_embedding_type='rope'"),
     (dict(group_query_attention=True, num_query_groups=2), "num_query_groups=2"),
     (dict(add_bias_linear=False), "add_bias_linear=False"), (dict(num_experts=8), "num_experts=8"),
+    (dict(window_size=(16, 0)), "window_size=(16, 0)"), (dict(qk_l2_norm=True), "qk_l2_norm=True"),
+    (dict(use_mup=True), "use_mup=True"), (dict(softmax_type="off-by-one"), "softmax_type='off-by-one'"),
+    (dict(attention_output_gate=True), "attention_output_gate=True"),
 ])
 def test_architectures_gpt2_lacks_are_refused_by_argument(tokenizer_dir, override, named):
     args = mlm_args(cfg_of(), tokenizer_dir, **override)
@@ -227,3 +260,31 @@ def test_missing_ranks_pipeline_parallelism_and_bad_trackers_are_clear_errors(tm
         conversion.load_megatron_checkpoint(tmp_path / "gone")
     with pytest.raises(conversion.ConversionError, match=r"checkpoint_version=1.5"):
         megatron_lm.qkv_rows_to_current(torch.zeros(12, 4), 1.5, 1)
+
+
+def test_old_argument_names_missing_sizes_and_relative_paths_in_args(tokenizer_dir):
+    """Before checkpoint_version 3.0 the TP size was model_parallel_size (Megatron-LM check_checkpoint_args);
+    a missing size is named as missing; a relative vocab_file cannot be found from here, so it is not used."""
+    args = mlm_args(cfg_of(), tokenizer_dir, tp=2, era="2022")
+    del args.tensor_model_parallel_size
+    args.model_parallel_size = 2
+    meta = megatron_lm.metadata_from_args(args)
+    assert meta["tensor_model_parallel_size"] == 2 and meta["vocab_size_range"] == [257, 512]
+    del args.hidden_size
+    with pytest.raises(conversion.ConversionError, match=r"lack \['hidden_size'\]"):
+        megatron_lm.metadata_from_args(args)
+    relative = megatron_lm.metadata_from_args(mlm_args(cfg_of(), tokenizer_dir, vocab_file="vocab.json"))
+    assert relative["tokenizer_dir"] is None
+
+
+def test_a_gap_in_the_rank_folders_and_per_rank_extra_state(tmp_path, tokenizer_dir):
+    cfg = cfg_of()
+    shards = split_tensor_parallel(weights(randomized_model(cfg)), 2, cfg.padded_vocab_size(2))
+    save = write_legacy(tmp_path / "gap", shards, mlm_args(cfg, tokenizer_dir, tp=2))
+    (save / "iter_0000005" / "mp_rank_01").rename(save / "iter_0000005" / "mp_rank_02")
+    with pytest.raises(conversion.ConversionError, match=r"not \['mp_rank_00', 'mp_rank_01'\]: a tensor-parallel rank is missing"):
+        conversion.load_megatron_checkpoint(save)
+    key = "decoder.layers.0.self_attention.linear_proj._extra_state"  # FP8 amax history: differs per rank
+    merged = megatron_lm.merge_tensor_parallel([{key: torch.tensor([1], dtype=torch.uint8)},
+                                                {key: torch.tensor([2], dtype=torch.uint8)}], "x")
+    assert merged[key].tolist() == [1]
