@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check
+.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -24,10 +24,26 @@ venv-python:
 	    $$py -m venv $(VENV); \
 	fi
 
+# WHEELHOUSE: a folder of every pinned wheel (make wheelhouse); when it exists, or with OFFLINE=1,
+# make install reads only it (pip --no-index), so a room of laptops installs from a USB stick.
+WHEELHOUSE ?= wheelhouse
+OFFLINE ?=
+# PLATFORMS: other machines' pip platform tags to add to the wheelhouse, e.g. "macosx_11_0_arm64"
+PLATFORMS ?=
+
 $(VENV)/.installed: requirements.txt pyproject.toml | venv-python
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
-	$(PY) -m pip install --disable-pip-version-check -q --no-deps -e .
+	@if [ -d $(WHEELHOUSE) ] || [ -n "$(OFFLINE)" ]; then \
+	    echo "Installing from $(WHEELHOUSE)/ without a network (pip --no-index)"; \
+	    $(PY) tools/wheelhouse.py install --python $(PY) --wheelhouse $(WHEELHOUSE) || exit 1; \
+	else \
+	    $(PY) -m pip install --disable-pip-version-check -q -r requirements.txt || exit 1; \
+	    $(PY) -m pip install --disable-pip-version-check -q --no-deps -e . || exit 1; \
+	fi
 	@touch $@
+
+# Every pinned wheel (and their dependencies) for this machine and PLATFORMS into WHEELHOUSE (about 4 GB).
+wheelhouse: venv-python
+	$(PY) tools/wheelhouse.py download --dest $(WHEELHOUSE) $(foreach p,$(PLATFORMS),--platform $(p))
 
 install: venv-python $(VENV)/.installed
 
@@ -39,6 +55,12 @@ test: install
 
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/
+
+# Is this machine ready for the series? Under 30 s, before or after install (helpers/readiness.py):
+# Python, disk, memory, cores, packages or a wheelhouse, JupyterLab's port, an estimated series time.
+check:
+	@py=$$( [ -x $(PY) ] && echo $(PY) || PYTHON="$(PYTHON)" tools/find-python 2>/dev/null || echo python3 ); \
+	$$py -m helpers.readiness
 
 # On a machine with an NVIDIA GPU, a few minutes: the gpu profile's throughput and MFU in bf16,
 # TP=2 against TP=1 (two GPUs), conversion exactness on the GPU; one table (bench/gpu_check.py).
