@@ -86,12 +86,19 @@ def cores_check(minimum: int = MIN_CORES) -> Check:
     return Check("cores", ok, f"{n} usable", "" if ok else f"the series runs 2 processes at once (TP=2, DP=2): use a machine with {minimum} cores")
 
 
+#: Packages whose presence in the running interpreter means the series is installed there.
+KEY_PACKAGES = ("torch", "megatron", "transformers", "papermill")
+
+
 def packages_check(folder: Path = ROOT) -> Check:
-    """Installed (``.venv/.installed``, written by ``make install``), or a wheelhouse to install from offline."""
-    installed = (folder / ".venv" / ".installed").exists()
+    """Installed (``.venv/.installed``, written by ``make install``, or :data:`KEY_PACKAGES` importable
+    by this interpreter), or a wheelhouse to install from offline."""
+    import importlib.util
+
+    installed = (folder / ".venv" / ".installed").exists() or all(importlib.util.find_spec(n) for n in KEY_PACKAGES)
     wheels = sorted((folder / "wheelhouse").glob("*.whl")) if (folder / "wheelhouse").is_dir() else []
     if installed:
-        return Check("packages", True, f"installed in {folder / '.venv'}")
+        return Check("packages", True, f"installed ({folder / '.venv'} or {sys.prefix})")
     if wheels:
         return Check("packages", True, f"not installed; a wheelhouse of {len(wheels)} wheels: make install uses it, offline")
     return Check("packages", False, "not installed and no wheelhouse/",

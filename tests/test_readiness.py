@@ -19,7 +19,9 @@ def test_python_versions_outside_3_12_and_3_13_are_named_with_the_fix():
     assert old.ok is False and "3.12 or 3.13" in old.fix and "tools/find-python" in old.fix
 
 
-def test_packages_installed_or_a_wheelhouse_or_what_to_do(tmp_path):
+def test_packages_installed_or_a_wheelhouse_or_what_to_do(tmp_path, monkeypatch):
+    assert readiness.packages_check(tmp_path).ok  # this interpreter has the series' packages
+    monkeypatch.setattr(readiness, "KEY_PACKAGES", ("no_such_package_here",))  # as the system Python before install
     missing = readiness.packages_check(tmp_path)
     assert missing.ok is False and "make install" in missing.fix and "wheelhouse" in missing.fix
     (tmp_path / "wheelhouse").mkdir()
