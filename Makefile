@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse
+.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse book
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -55,6 +55,11 @@ test: install
 
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/
+
+# The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
+RUN ?= runs/latest
+book: install
+	$(PY) -m helpers.book $(RUN)
 
 # Is this machine ready for the series? Under 30 s, before or after install (helpers/readiness.py):
 # Python, disk, memory, cores, packages or a wheelhouse, JupyterLab's port, an estimated series time.
