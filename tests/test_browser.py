@@ -1,0 +1,120 @@
+"""JupyterLab in a real browser: notebook 00 (smoke parameters) run through the UI by headless Chromium.
+
+Starts JupyterLab on the repository, with a copy of notebook 00 in ``notebooks/`` (named
+``browser-test-00_container_setup.ipynb``, git-ignored, removed afterwards) holding the smoke
+profile's parameters (papermill's own parameter injection, as the runner does) and a temporary
+run folder; drives Debian's ``chromium`` with
+Playwright: open the notebook, wait for the kernel, Run > Run All Cells, wait until no cell is
+queued or running, save (Ctrl+S); then reads the saved notebook: every code cell ran and none
+has an error output. Screenshots are kept in ``runs/browser-test/``. ``.ci/run`` installs
+Chromium (``apt-get install chromium``); without it the test is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SHOTS = ROOT / "runs" / "browser-test"
+TOKEN = "series-browser-test"
+NOTEBOOK = "00_container_setup"
+
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH: .ci/run installs Debian's (apt-get install chromium)"),
+              pytest.mark.timeout(600)]
+_DONE = """() => {
+  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
+  return prompts.length > 0 && !prompts.includes('[*]:') && prompts.some(t => /^\\[\\d+\\]:$/.test(t))
+         && document.body.innerText.includes('| Idle');
+}"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab serving the repository (notebook 00's copy with smoke parameters); yields (port, copy)."""
+    import papermill
+
+    from helpers import series
+
+    source = ROOT / "notebooks" / f"{NOTEBOOK}.ipynb"
+    copy = source.with_name(f"browser-test-{source.name}")  # not NN_*.ipynb: never one of the series' notebooks
+    params = series.resolve_parameters([source], "smoke", run_dir=str(tmp_path / "run"))[NOTEBOOK]
+    papermill.execute_notebook(str(source), str(copy), parameters=params, prepare_only=True,
+                               progress_bar=False)  # the runner's parameter injection, nothing executed
+    port = _free_port()
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={ROOT}",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=ROOT, env=env, stdout=open(tmp_path / "jupyter.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)  # its kernels are in its process group: killed together below
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={TOKEN}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    pytest.fail(f"JupyterLab did not start: {(tmp_path / 'jupyter.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield port, copy
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        copy.unlink(missing_ok=True)
+
+
+def test_notebook_00_runs_through_jupyterlab_in_chromium_without_an_error(lab):
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    port, saved = lab
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    before = saved.stat().st_mtime_ns
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"http://127.0.0.1:{port}/lab/tree/notebooks/{saved.name}?token={TOKEN}")
+            page.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=90_000)
+            page.wait_for_function("() => document.body.innerText.includes('| Idle')", timeout=120_000)
+            page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-opened.png"))
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.locator("li[data-command='runmenu:run-all']").click()
+            page.wait_for_function(_DONE, timeout=420_000, polling=1000)
+            page.keyboard.press("Control+s")
+            deadline = time.monotonic() + 30
+            while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
+                time.sleep(0.5)
+            page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-ran.png"), full_page=True)
+        finally:
+            browser.close()
+    assert saved.stat().st_mtime_ns != before, "the notebook was not saved from the browser"
+    nb = nbformat.read(saved, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [(i, o.get("ename"), o.get("evalue")) for i, c in enumerate(code) for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"cells with errors in the browser run: {errors} (screenshots: {SHOTS})"
+    assert all(c.execution_count for c in code), "a code cell did not run"
+    assert any("all_reduce" in o.get("text", "") for c in code for o in c.outputs)  # the torchrun smoke test ran
+    assert (SHOTS / f"{NOTEBOOK}-ran.png").stat().st_size > 20_000
