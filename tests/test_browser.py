@@ -6,7 +6,8 @@ profile's parameters (papermill's own parameter injection, as the runner does) a
 run folder; drives Debian's ``chromium`` with
 Playwright: open the notebook, wait for the kernel, Run > Run All Cells, wait until no cell is
 queued or running, save (Ctrl+S); then reads the saved notebook: every code cell ran and none
-has an error output. Screenshots are kept in ``runs/browser-test/``. ``.ci/run`` installs
+has an error output; then ``make book`` of that run opens in the same browser and shows the
+outputs. Screenshots are kept in ``runs/browser-test/``. ``.ci/run`` installs
 Chromium (``apt-get install chromium``); without it the test is skipped with that reason.
 """
 
@@ -108,6 +109,7 @@ def test_notebook_00_runs_through_jupyterlab_in_chromium_without_an_error(lab):
             while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:
                 time.sleep(0.5)
             page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-ran.png"), full_page=True)
+            book_text = _open_the_book(page, saved)
         finally:
             browser.close()
     assert saved.stat().st_mtime_ns != before, "the notebook was not saved from the browser"
@@ -118,3 +120,19 @@ def test_notebook_00_runs_through_jupyterlab_in_chromium_without_an_error(lab):
     assert all(c.execution_count for c in code), "a code cell did not run"
     assert any("all_reduce" in o.get("text", "") for c in code for o in c.outputs)  # the torchrun smoke test ran
     assert (SHOTS / f"{NOTEBOOK}-ran.png").stat().st_size > 20_000
+    assert "rank 0/2 backend gloo: all_reduce(sum) = 3" in book_text  # the book shows the browser run's outputs
+
+
+def _open_the_book(page, executed: Path) -> str:
+    """``make book`` of a run holding the notebook just run, opened in the same browser: index, then the page."""
+    from helpers import book
+
+    run = executed.parent.parent / "runs" / "browser-test" / "run"
+    (run / "executed").mkdir(parents=True, exist_ok=True)
+    shutil.copy(executed, run / "executed" / f"{NOTEBOOK}.ipynb")
+    index = book.build(run)
+    page.goto(index.as_uri())
+    page.get_by_role("link", name="00 · Container and environment setup").click()
+    page.wait_for_selector(".jp-Notebook")
+    page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-book.png"))
+    return page.inner_text("body")
