@@ -35,8 +35,9 @@ MIN_MEMORY_GB = 6.0
 MIN_CORES = 2
 JUPYTER_PORT = 8888
 #: The reference machine (2-core AMD EPYC, no AVX-512, 2026-12-01): the cpu series' wall time in a
-#: fresh clone, and the two measurements :func:`measure_speed` makes, taken on it.
-REFERENCE = {"series_s": 609.3, "matmul_gflops": 104.8, "python_loop_mops": 0.0}
+#: fresh clone (bench/RESULTS.md, load average about 1), and the medians of three runs of each
+#: :func:`measure_speed` measurement on it (19:41 UTC, load average 0.8).
+REFERENCE = {"series_s": 609.3, "matmul_gflops": 126.2, "python_loop_mops": 10.8}
 
 
 @dataclass
