@@ -16,7 +16,8 @@ venv-python:
 	@if [ -e $(VENV) ]; then \
 	    v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
 	    case "$$v" in 3.12|3.13) ;; *) \
-	        echo "$(VENV) was made with $${v:+Python $$v}$${v:-an interpreter that no longer runs ($(PY))}; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
+	        if [ -n "$$v" ]; then made="Python $$v"; else made="an interpreter that no longer runs ($(PY))"; fi; \
+	        echo "$(VENV) was made with $$made; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
 	        echo "Remove it and rerun: rm -rf $(VENV) && make $(MAKECMDGOALS)" >&2; exit 1;; esac; \
 	else \
 	    py=$$(PYTHON="$(PYTHON)" tools/find-python) || exit 1; \
@@ -28,7 +29,8 @@ venv-python:
 # make install reads only it (pip --no-index), so a room of laptops installs from a USB stick.
 WHEELHOUSE ?= wheelhouse
 OFFLINE ?=
-# PLATFORMS: other machines' pip platform tags to add to the wheelhouse, e.g. "macosx_11_0_arm64"
+# PLATFORMS: other machines' pip platform tags to add to the wheelhouse, e.g. "manylinux_2_28_aarch64"
+# (torch's and megatron-core's Linux wheels are manylinux_2_28; megatron-core has no macOS wheel)
 PLATFORMS ?=
 
 $(VENV)/.installed: requirements.txt pyproject.toml | venv-python
@@ -41,9 +43,11 @@ $(VENV)/.installed: requirements.txt pyproject.toml | venv-python
 	fi
 	@touch $@
 
-# Every pinned wheel (and their dependencies) for this machine and PLATFORMS into WHEELHOUSE (about 4 GB).
+# Every pinned wheel (and their dependencies) for this machine and PLATFORMS into WHEELHOUSE (3.3 GB for
+# Linux x86-64). WHEELHOUSE_PYTHON: the Python of the PLATFORMS' laptops (this machine's: the .venv's).
+WHEELHOUSE_PYTHON ?= 3.12
 wheelhouse: venv-python
-	$(PY) tools/wheelhouse.py download --dest $(WHEELHOUSE) $(foreach p,$(PLATFORMS),--platform $(p))
+	$(PY) tools/wheelhouse.py download --dest $(WHEELHOUSE) --python-version $(WHEELHOUSE_PYTHON) $(foreach p,$(PLATFORMS),--platform $(p))
 
 install: venv-python $(VENV)/.installed
 

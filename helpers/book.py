@@ -59,6 +59,7 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
         entries.append(f'<li><a href="{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
     report = run / "report.md"
     card = markdown2html(report.read_text(encoding="utf-8")) if report.is_file() else "<p>(no report card in this run)</p>"
+    card = re.sub(r'(href|src)="figures/', r'\1="../figures/', card)  # the run's figures/, next to book/
     (out / "index.html").write_text(
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Pre-train a GPT with Megatron</title></head>"
         f"<body><h1>Pre-train a GPT with Megatron, hand it to transformers</h1><p>The executed notebooks of the run "

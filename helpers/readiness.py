@@ -89,19 +89,60 @@ def cores_check(minimum: int = MIN_CORES) -> Check:
 
 #: Packages whose presence in the running interpreter means the series is installed there.
 KEY_PACKAGES = ("torch", "megatron", "transformers", "papermill")
+#: Wheels a wheelhouse must hold for this machine (their names' prefixes).
+KEY_WHEELS = ("torch-", "megatron_core-")
+
+
+def _venv_python_version(folder: Path) -> str | None:
+    """``"3.12"`` for a ``.venv`` whose interpreter runs, else None."""
+    python = folder / ".venv" / "bin" / "python"
+    try:
+        out = subprocess.run([str(python), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _wheel_fits(name: str, version: tuple[int, int]) -> bool:
+    """A wheel file name for this machine: pure Python, or this CPython and this OS and architecture."""
+    import platform
+
+    tags = name[:-len(".whl")].split("-")[-3:]  # python, abi, platform tags (PEP 427)
+    py_ok = any(t in ("py3", f"cp{version[0]}{version[1]}") for t in tags[0].split("."))
+    arch = platform.machine().lower()
+    os_ok = tags[2] == "any" or (sys.platform.startswith("linux") and "linux" in tags[2] and arch in tags[2]) or \
+        (sys.platform == "darwin" and "macosx" in tags[2])
+    return py_ok and os_ok
 
 
 def packages_check(folder: Path = ROOT) -> Check:
-    """Installed (``.venv/.installed``, written by ``make install``, or :data:`KEY_PACKAGES` importable
-    by this interpreter), or a wheelhouse to install from offline."""
+    """Installed (a ``.venv`` whose Python runs and is 3.12/3.13 with ``.installed``, written by ``make
+    install``, or :data:`KEY_PACKAGES` importable by this interpreter), or a wheelhouse holding
+    :data:`KEY_WHEELS` for this machine to install from offline."""
     import importlib.util
 
-    installed = (folder / ".venv" / ".installed").exists() or all(importlib.util.find_spec(n) for n in KEY_PACKAGES)
-    wheels = sorted((folder / "wheelhouse").glob("*.whl")) if (folder / "wheelhouse").is_dir() else []
-    if installed:
-        return Check("packages", True, f"installed ({folder / '.venv'} or {sys.prefix})")
+    venv = folder / ".venv"
+    if venv.exists():
+        v = _venv_python_version(folder)
+        if v not in ("%d.%d" % s for s in SUPPORTED_PYTHON):
+            made = f"Python {v}" if v else "an interpreter that no longer runs"
+            return Check("packages", False, f"{venv} was made with {made}", f"rm -rf {venv} && make install")
+    if (venv / ".installed").exists() or all(importlib.util.find_spec(n) for n in KEY_PACKAGES):
+        return Check("packages", True, "installed" + (f" in {venv}" if venv.exists() else f" in {sys.prefix}"))
+    house = folder / "wheelhouse"
+    wheels = sorted(p.name for p in house.glob("*.whl")) if house.is_dir() else []
     if wheels:
+        target = tuple(int(x) for x in (_venv_python_version(folder) or "%d.%d" % sys.version_info[:2]).split("."))
+        missing = [k.rstrip("-") for k in KEY_WHEELS if not any(w.startswith(k) and _wheel_fits(w, target) for w in wheels)]
+        if missing:
+            return Check("packages", False, f"a wheelhouse of {len(wheels)} wheels, none of {missing} for this machine "
+                         f"(Python {target[0]}.{target[1]}, {sys.platform})",
+                         "make a wheelhouse for this platform and Python (make wheelhouse PLATFORMS=... WHEELHOUSE_PYTHON=...)")
         return Check("packages", True, f"not installed; a wheelhouse of {len(wheels)} wheels: make install uses it, offline")
+    if house.is_dir():
+        return Check("packages", False, f"not installed and {house} holds no wheels",
+                     f"remove the empty {house} (make install would read only it) or copy the wheels into it")
     return Check("packages", False, "not installed and no wheelhouse/",
                  "run make install (downloads about 3 GB), or copy an instructor's wheelhouse/ folder here first")
 

@@ -23,6 +23,8 @@ def test_the_book_of_the_smoke_series(series_run):
     assert pages == sorted(f"{r.stem}.html" for r in runs) and len(pages) == 8
     text = index.read_text()
     assert all(f'href="{p}"' in text for p in pages) and "report card" in text and "<table>" in text
+    for link in re.findall(r'(?:href|src)="(\.\./figures/[^"]+)"', text):  # the report card's figures resolve
+        assert (index.parent / link).resolve().is_file(), link
     training = (index.parent / "03_training.html").read_text()
     assert "data:image/png;base64," in training  # the loss curve, inlined: the folder is self-contained
     assert "training summary" in training or "validation loss" in training  # outputs are there

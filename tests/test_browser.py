@@ -55,15 +55,22 @@ def lab(tmp_path):
 
     source = ROOT / "notebooks" / f"{NOTEBOOK}.ipynb"
     copy = source.with_name(f"browser-test-{source.name}")  # not NN_*.ipynb: never one of the series' notebooks
+    for stale in source.parent.glob("browser-test-*.ipynb"):  # left by a run that was killed
+        stale.unlink()
     params = series.resolve_parameters([source], "smoke", run_dir=str(tmp_path / "run"))[NOTEBOOK]
     papermill.execute_notebook(str(source), str(copy), parameters=params, prepare_only=True,
                                progress_bar=False)  # the runner's parameter injection, nothing executed
     port = _free_port()
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')  # no news popup over the cells
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings")}
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
          f"--ServerApp.port={port}", f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={ROOT}",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--ServerApp.port_retries=0"],  # no silent move to another port
         cwd=ROOT, env=env, stdout=open(tmp_path / "jupyter.log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True)  # its kernels are in its process group: killed together below
     try:
@@ -99,11 +106,11 @@ def test_notebook_00_runs_through_jupyterlab_in_chromium_without_an_error(lab):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(f"http://127.0.0.1:{port}/lab/tree/notebooks/{saved.name}?token={TOKEN}")
             page.wait_for_selector(".jp-Notebook .jp-CodeCell", timeout=90_000)
-            page.wait_for_function("() => document.body.innerText.includes('| Idle')", timeout=120_000)
+            page.wait_for_function("() => document.body.innerText.includes('| Idle')", timeout=90_000)
             page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-opened.png"))
             page.get_by_role("menuitem", name="Run", exact=True).click()
             page.locator("li[data-command='runmenu:run-all']").click()
-            page.wait_for_function(_DONE, timeout=420_000, polling=1000)
+            page.wait_for_function(_DONE, timeout=300_000, polling=1000)
             page.keyboard.press("Control+s")
             deadline = time.monotonic() + 30
             while saved.stat().st_mtime_ns == before and time.monotonic() < deadline:

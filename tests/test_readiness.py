@@ -25,12 +25,27 @@ def test_packages_installed_or_a_wheelhouse_or_what_to_do(tmp_path, monkeypatch)
     missing = readiness.packages_check(tmp_path)
     assert missing.ok is False and "make install" in missing.fix and "wheelhouse" in missing.fix
     (tmp_path / "wheelhouse").mkdir()
+    assert "holds no wheels" in readiness.packages_check(tmp_path).found  # make install would read only it
     (tmp_path / "wheelhouse" / "tqdm-4.70.1-py3-none-any.whl").write_bytes(b"")
+    (tmp_path / "wheelhouse" / "torch-2.14.1-cp312-none-macosx_11_0_arm64.whl").write_bytes(b"")
+    wrong = readiness.packages_check(tmp_path)  # another platform's torch, no megatron-core
+    assert wrong.ok is False and "torch" in wrong.found and "megatron_core" in wrong.found
+    import platform
+
+    py = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    for name in (f"torch-2.14.1-{py}-{py}-manylinux_2_28_{platform.machine()}.whl",
+                 f"megatron_core-0.19.2-{py}-{py}-manylinux_2_28_{platform.machine()}.whl"):
+        (tmp_path / "wheelhouse" / name).write_bytes(b"")
     wheels = readiness.packages_check(tmp_path)
-    assert wheels.ok and "1 wheels" in wheels.found and "offline" in wheels.found
-    (tmp_path / ".venv").mkdir()
+    assert wheels.ok and "4 wheels" in wheels.found and "offline" in wheels.found
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(tmp_path / "gone")  # a venv whose interpreter was removed
+    broken = readiness.packages_check(tmp_path)
+    assert broken.ok is False and "no longer runs" in broken.found and broken.fix.startswith("rm -rf")
+    (tmp_path / ".venv" / "bin" / "python").unlink()
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
     (tmp_path / ".venv" / ".installed").write_text("")
-    assert readiness.packages_check(tmp_path).found.startswith("installed")
+    assert readiness.packages_check(tmp_path).found.startswith("installed in")
 
 
 def test_disk_memory_and_cores_report_this_machine(tmp_path):

@@ -5,8 +5,10 @@
 
 ``download`` runs ``pip download`` of ``requirements.txt`` (with every dependency pip resolves)
 and of the build backend ``pyproject.toml`` names (setuptools, for ``pip install -e .``) into one
-folder: for this machine, and for each ``--platform`` (pip's platform tags, e.g.
-``manylinux2014_x86_64``, ``macosx_11_0_arm64``; binary wheels only, for ``--python-version``).
+folder: for this machine (its Python), and for each ``--platform`` (pip's platform tags, e.g.
+``manylinux_2_28_aarch64``: torch's and megatron-core's Linux wheels are ``manylinux_2_28``;
+binary wheels only, for ``--python-version``; macOS cannot be served, megatron-core publishes
+no macOS wheel).
 It prints the folder's size and the time taken. ``install`` is what ``make install`` runs when
 the folder exists (or ``OFFLINE=1``): ``pip install --no-index --find-links FOLDER``, so pip
 never reaches an index. Standard library only (it runs before anything is installed).
@@ -38,16 +40,20 @@ def download(dest: Path, requirements: Path, platforms: list[str], python_versio
     """``pip download`` the requirements and the build backend into ``dest``; returns size and seconds.
 
     Raises:
-        subprocess.CalledProcessError: pip failed (its message is on stderr: a pin without a wheel
-            for a ``--platform``, no network...).
+        RuntimeError: pip failed for one platform (named; pip's message is on stderr: a pin without
+            a wheel for that ``--platform``, no network...).
     """
     dest.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     targets = [[]] + [["--only-binary=:all:", "--platform", p, "--python-version", python_version, "--implementation", "cp"]
                       for p in platforms]
-    for extra in targets:
-        subprocess.run([*pip, "download", "--disable-pip-version-check", "-q", "-d", str(dest), *extra,
-                        "-r", str(requirements), *BUILD_REQUIREMENTS], check=True)
+    for extra, platform in zip(targets, ["this machine", *platforms]):
+        try:
+            subprocess.run([*pip, "download", "--disable-pip-version-check", "-q", "-d", str(dest), *extra,
+                            "-r", str(requirements), *BUILD_REQUIREMENTS], check=True)
+        except subprocess.CalledProcessError as err:
+            raise RuntimeError(f"pip download for {platform} failed (pip's message is above): a pin without a wheel "
+                               "for that platform and Python, or no network") from err
     return {"files": len(list(dest.glob("*"))), "bytes": folder_size(dest), "seconds": time.perf_counter() - start}
 
 
@@ -72,8 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--requirements", default=str(ROOT / "requirements.txt"))
     args = parser.parse_args(argv)
     if args.command == "download":
-        r = download(Path(args.dest), Path(args.requirements), args.platform, args.python_version,
-                     [sys.executable, "-m", "pip"])
+        try:
+            r = download(Path(args.dest), Path(args.requirements), args.platform, args.python_version,
+                         [sys.executable, "-m", "pip"])
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         print(f"wheelhouse {args.dest}: {r['files']} files, {r['bytes'] / 1e9:.2f} GB, {r['seconds']:.0f} s")
         return 0
     wheelhouse = Path(args.wheelhouse)
@@ -84,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for cmd in install_command(args.python, wheelhouse, Path(args.requirements)):
         if subprocess.run(cmd).returncode:
-            print(f"error: {' '.join(cmd)} failed: the wheelhouse lacks a package this platform needs "
-                  "(make wheelhouse PLATFORMS=... on a machine with a network)", file=sys.stderr)
+            print(f"error: {' '.join(cmd)} failed (pip's message is above): most often the wheelhouse lacks a "
+                  f"package for this platform or this Python {sys.version_info[0]}.{sys.version_info[1]} (make "
+                  "wheelhouse PLATFORMS=... WHEELHOUSE_PYTHON=... on a machine with a network), else a damaged "
+                  "copy or a full disk", file=sys.stderr)
             return 1
     print(f"installed from {wheelhouse} without an index in {time.perf_counter() - start:.0f} s")
     return 0
