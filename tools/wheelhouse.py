@@ -20,7 +20,6 @@ Sources: pip's documentation, "pip download" (``--platform``, ``--only-binary``,
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
