@@ -17,6 +17,7 @@ al. 2022 (PaLM), appendix B (MFU); NVIDIA data sheets (:data:`PEAK_BF16_FLOPS`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
             raise ValueError(f"nproc_per_node={nproc} but this machine has {torch.cuda.device_count()} GPU(s): "
                              "use at most one process per GPU")
     cfg.check(world_size=nproc, files=False)
-    precision = resolve_precision(cfg.precision) if cfg.precision == "auto" else cfg.precision
+    precision = resolve_precision(cfg.precision)
     dp = cfg.data_parallel_size(nproc)
     layout = model_lib.Layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, dp)
     memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
@@ -185,8 +186,6 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     ``parameters["profile"]`` (``cpu`` for profiles that have none); the series runner calls
     this before the first notebook starts.
     """
-    import dataclasses
-
     import torch
 
     from helpers import training_config
@@ -229,4 +228,4 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
 
 def summary(plan: Preflight) -> dict[str, Any]:
     """The plan as a JSON-ready dict (recorded in the run's results)."""
-    return {k: getattr(plan, k) for k in plan.__dataclass_fields__}
+    return dataclasses.asdict(plan)

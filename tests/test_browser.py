@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,18 +39,12 @@ _DONE = """() => {
 }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def lab(tmp_path):
     """JupyterLab serving the repository (notebook 00's copy with smoke parameters); yields (port, copy)."""
     import papermill
 
-    from helpers import series
+    from helpers import launch, series
 
     source = ROOT / "notebooks" / f"{NOTEBOOK}.ipynb"
     copy = source.with_name(f"browser-test-{source.name}")  # not NN_*.ipynb: never one of the series' notebooks
@@ -60,7 +53,7 @@ def lab(tmp_path):
     params = series.resolve_parameters([source], "smoke", run_dir=str(tmp_path / "run"))[NOTEBOOK]
     papermill.execute_notebook(str(source), str(copy), parameters=params, prepare_only=True,
                                progress_bar=False)  # the runner's parameter injection, nothing executed
-    port = _free_port()
+    port = launch.free_port()
     settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')  # no news popup over the cells
