@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,12 @@ class CheckpointReadError(RuntimeError):
 def iteration_dir(checkpoint_dir: str | os.PathLike, iteration: int) -> Path:
     """``checkpoint_dir/iter_0000300`` for ``iteration=300`` (Megatron-LM's ``iter_%07d``)."""
     return Path(checkpoint_dir) / f"iter_{iteration:07d}"
+
+
+def iteration_of(folder: str | os.PathLike) -> int | None:
+    """The iteration an ``iter_NNNNNNN`` folder holds (the inverse of :func:`iteration_dir`); None for another name."""
+    m = re.match(r"^iter_(\d+)$", Path(folder).name)
+    return int(m[1]) if m else None
 
 
 def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:

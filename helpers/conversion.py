@@ -498,8 +498,7 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
             return p, None, "state_dict"
         raise ConversionError(f"{p} is a file but not a .pt/.pth state dict: pass a checkpoints folder, an iter_NNNNNNN folder or a .pt file")
     if _is_torch_dist(p):
-        m = re.match(r"^iter_(\d+)$", p.name)
-        return p, int(m[1]) if m else None, "torch_dist"
+        return p, checkpointing.iteration_of(p), "torch_dist"
     if (p / checkpointing.TRACKER_FILE).is_file() or iteration is not None:
         it = iteration if iteration is not None else checkpointing.latest_iteration(p)
         folder = checkpointing.iteration_dir(p, it)

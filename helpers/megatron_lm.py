@@ -221,11 +221,6 @@ def _tracker_target(folder: Path, iteration: int | None) -> tuple[Path, int | No
     return (checkpointing.iteration_dir(folder, int(text)), int(text)) if text.isdigit() else None
 
 
-def _iteration_of(folder: Path) -> int | None:
-    m = re.match(r"^iter_(\d+)$", folder.name)
-    return int(m[1]) if m else None
-
-
 def _rank_dirs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("mp_rank_"))
 
@@ -250,11 +245,11 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         if p.name != MODEL_FILE:
             return None
         folder = p.parent.parent if p.parent.name.startswith("mp_rank_") else None
-        return (folder, _iteration_of(folder), "torch") if folder else (p, _iteration_of(p.parent), "torch")
+        return (folder, checkpointing.iteration_of(folder), "torch") if folder else (p, checkpointing.iteration_of(p.parent), "torch")
     if not p.is_dir():
         return None
     if _rank_dirs(p):
-        return p, _iteration_of(p), "torch"
+        return p, checkpointing.iteration_of(p), "torch"
     target = _tracker_target(p, iteration)
     if target is None:
         return None
