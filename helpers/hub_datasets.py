@@ -87,6 +87,9 @@ def load_arguments(source: str, split: str = "train", streaming: bool = True) ->
             raise FileNotFoundError(f"source={source!r}: no file matches {files}: check the path (absolute, or "
                                     "relative to the notebooks/ folder papermill runs in) or the glob")
         return builder, {"data_files": files} | kwargs
+    if builder in BUILDERS:  # hf:json or hf:json: without files would make load_dataset read the working folder
+        raise ValueError(f"source={source!r}: the {builder} builder needs the files after it: "
+                         f"hf:{builder}:/path/to/files (a path or a glob)")
     if spec.startswith(("/", ".", "~")) or Path(spec).expanduser().exists():
         folder = Path(spec).expanduser().resolve()
         if not folder.exists():

@@ -450,7 +450,7 @@ def qkv_rows_to_current(tensor: torch.Tensor, checkpoint_version: float, num_hea
     elif checkpoint_version == 1.0:
         tensor = tensor.reshape(num_heads, d, 3, *rest).transpose(1, 2)
     else:
-        raise ConversionError(f"checkpoint_version={checkpoint_version} is none Megatron-LM wrote (0, 1.0, 2.0, 3.0)")
+        raise ConversionError(f"checkpoint_version={checkpoint_version} is none Megatron-LM wrote (0, 1.0, or 2.0 and later)")
     return tensor.reshape(rows, *rest).contiguous()
 
 

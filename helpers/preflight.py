@@ -86,6 +86,10 @@ def train_tokens_per_epoch(data_prefix: str | Path, split: str) -> int:
     return 0 if train is None else int(lengths[train[0]:train[1]].sum())
 
 
+def _epochs(epochs: float) -> str:
+    return f"{epochs:,.2f}" if epochs >= 0.01 else f"{epochs:.1e}"
+
+
 @dataclass
 class Preflight:
     """What a run will do (units in the names: tokens, bytes, seconds, FLOP/s).
@@ -111,15 +115,14 @@ class Preflight:
     def rows(self) -> list[tuple[str, str]]:
         """``(what, value)`` pairs for a printed table."""
         sec = self.estimated_seconds
-        est = ("unknown" if sec is None else f"{sec:,.0f} s" if sec < 120 else f"{sec / 60:,.1f} min" if sec < 7200
+        est = ("unknown" if sec is None else "under 1 s" if sec < 1 else f"{sec:,.0f} s" if sec < 120 else f"{sec / 60:,.1f} min" if sec < 7200
                else f"{sec / 3600:,.1f} h" if sec < 172800 else f"{sec / 86400:,.0f} days")
         per = "GPU" if self.device.startswith("cuda") else "process"
         return [("device, precision", f"{self.device}, {self.precision}"),
                 ("tokens per iteration", f"{self.tokens_per_iteration:,}"),
                 ("tokens in all", f"{self.train_tokens:,}"),
                 ("training tokens per epoch", "not made yet" if self.tokens_per_epoch is None else f"{self.tokens_per_epoch:,}"),
-                ("epochs over the training data", "unknown" if self.epochs is None else
-                 f"{self.epochs:,.2f}" if self.epochs >= 0.01 else f"{self.epochs:.1e}"),
+                ("epochs over the training data", "unknown" if self.epochs is None else _epochs(self.epochs)),
                 (f"memory per {per} (estimate)", f"{self.memory_per_gpu_bytes / 2**30:,.2f} GiB"),
                 ("estimated training time", f"{est} ({self.rate_source})")]
 
@@ -219,7 +222,7 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
         raise ValueError(f"max_epochs={max_epochs!r} must be a finite number >= 0 (0: no limit; default {MAX_EPOCHS:g})")
     if max_epochs and plan.epochs is not None and plan.epochs > max_epochs:
         raise RepeatedDataError(
-            f"this run reads {plan.train_tokens:,} tokens, {plan.epochs:,.2f} epochs of the {plan.tokens_per_epoch:,} "
+            f"this run reads {plan.train_tokens:,} tokens, {_epochs(plan.epochs)} epochs of the {plan.tokens_per_epoch:,} "
             f"training tokens, more than max_epochs={max_epochs:g} (Muennighoff et al. 2023: the value of repeated "
             "data falls off steeply past about 16 epochs). Train fewer iterations or on more data (notebook 01: "
             "source=, package_files=, in a new run folder), or set max_epochs=0 (the runner: -p max_epochs=0) to run it "

@@ -116,6 +116,7 @@ def test_a_missing_text_column_names_the_columns_and_text_key(tmp_path):
     ("hf:", ValueError, "is not a dataset source"),
     ("hf:yaml:/tmp/x.yaml", ValueError, r"builder of \('json'"),
     ("hf:json:", ValueError, "the files after it"),
+    ("hf:json", ValueError, "the json builder needs the files after it"),  # load_dataset would read the working folder
     ("hf:a/b/c", ValueError, "hf:OWNER/NAME"),
     ("hf:./no-such-folder", FileNotFoundError, "no-such-folder does not exist"),
     ("hf:json:/no/such/files-*.jsonl", FileNotFoundError, "no file matches /no/such/files-"),

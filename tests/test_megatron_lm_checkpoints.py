@@ -288,3 +288,14 @@ def test_a_gap_in_the_rank_folders_and_per_rank_extra_state(tmp_path, tokenizer_
     merged = megatron_lm.merge_tensor_parallel([{key: torch.tensor([1], dtype=torch.uint8)},
                                                 {key: torch.tensor([2], dtype=torch.uint8)}], "x")
     assert merged[key].tolist() == [1]
+
+
+def test_args_that_do_not_describe_the_weights_are_named_so_not_as_another_architecture(tmp_path, tokenizer_dir):
+    """hidden_size=128 in the args over 64-wide weights blamed grouped-query attention (a newcomer found that)."""
+    cfg = cfg_of()
+    save = write_legacy(tmp_path / "gpt", [weights(randomized_model(cfg))],
+                        mlm_args(cfg, tokenizer_dir, hidden_size=128, kv_channels=32, ffn_hidden_size=512))
+    with pytest.raises(conversion.ConversionError, match=r"do not match the model's description: linear_qkv is \[192, 64\] "
+                                                         r"but hidden_size=128") as err:
+        conversion.convert_to_hf(save, tmp_path / "hf")
+    assert "grouped-query" not in str(err.value) and not (tmp_path / "hf").exists()
