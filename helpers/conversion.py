@@ -264,9 +264,8 @@ def check_architecture(meta: Mapping[str, Any], state_dict: Mapping[str, Any] | 
         if fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1] and "gated" not in said:
             r.append(f"linear_fc1 has {fc1.shape[0]} rows = 2 x linear_fc2 input {fc2.shape[1]}: a gated (SwiGLU) MLP")
         if qkv is not None and h and qkv.ndim == 2 and qkv.shape[1] != h:  # not an architecture: a wrong description
-            raise ConversionError(f"the weights do not match the model's description: linear_qkv is {list(qkv.shape)} "
-                                  f"but hidden_size={h} (model_config.json or the checkpoint's args): pass the model "
-                                  "config these weights were trained with")
+            raise ConversionError(f"the weights do not match the model's description: linear_qkv is {list(qkv.shape)} but "
+                                  f"hidden_size={h} (model_config.json or the checkpoint's args): pass the config they were trained with")
         if qkv is not None and h and qkv.shape[0] != 3 * h and "grouped" not in said:
             r.append(f"linear_qkv has {qkv.shape[0]} rows, not 3 x {h}: grouped-query attention")
         if any(f"{lin}.weight" in layer0 and f"{lin}.bias" not in layer0 for lin in _LINEARS) and "bias_linear" not in said:
