@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse book
+.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -60,8 +60,14 @@ test: install
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/
 
-# The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
 RUN ?= runs/latest
+# The exercises' solutions (notebooks/solutions/) against a run (default runs/latest), executed into
+# RUN/executed/solutions/; each solution asserts its answer. ONLY="01 03" for some notebooks only.
+ONLY ?=
+solutions: install
+	$(PY) -m helpers.series solutions --run-dir $(RUN) $(if $(ONLY),--only $(ONLY))
+
+# The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
 book: install
 	$(PY) -m helpers.book $(RUN)
 

@@ -6,6 +6,7 @@ Command line::
     python -m helpers.series run --profile cpu -p train_iters=500
     python -m helpers.series run --only 01 02 -p 01_data_preprocessing.vocab_size=4096
     python -m helpers.series params                    # every notebook's parameters
+    python -m helpers.series solutions --run-dir runs/latest   # the exercises' solutions
 
 Each notebook is executed in order into ``runs/<name>/executed/`` with the shared run folder
 passed as its ``run_dir`` parameter; ``runs/latest`` points at the newest run folder, and
@@ -41,6 +42,7 @@ from helpers import report, results
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
+SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
 RUNS_DIR = ROOT / "runs"
 
 #: Parameters the runner itself passes to every notebook (each notebook must define them).
@@ -368,9 +370,6 @@ def run(
         NotebookError: a cell failed; the message names the notebook, the cell, the error and
             the partly executed notebook, which is saved.
     """
-    import papermill
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
     profile = profile or default_profile()
     selected = notebooks()
     if only:
@@ -406,18 +405,11 @@ def run(
         if path.stem == "03_training" and plan is not None and plan.epochs is None:
             _print_preflight(selected, params, folder)  # notebook 01 has made the data now: the epochs are known
         print(f"[{i}/{len(selected)}] {path.stem} ...", flush=True)
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir:
-            try:
-                papermill.execute_notebook(
-                    str(path), str(output), parameters=params[path.stem], cwd=str(path.parent),
-                    kernel_name="python3", progress_bar=False, log_output=log_output,
-                    execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
-                )
-            except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
-                _report_card(report.write, folder)  # what the run has so far; "finished: never"
-                raise NotebookError(_failure_text(path.stem, err, output)) from None
-        wall = time.perf_counter() - start
+        try:
+            wall = _execute(path, output, params[path.stem], timeout, log_output)
+        except NotebookError:
+            _report_card(report.write, folder)  # what the run has so far; "finished: never"
+            raise
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
         done.append(NotebookRun(path.stem, output, wall))
         print(f"[{i}/{len(selected)}] {path.stem} done in {wall:.1f} s", flush=True)
@@ -427,6 +419,78 @@ def run(
     print(f"  figures:            {folder / 'figures'}")
     print(f"  results:            {folder / results.SUMMARY_FILE}")
     print(f"  report card:        {_report_card(report.finish, folder)}")
+    return done
+
+
+def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int | None, log_output: bool) -> float:
+    """Execute one notebook with papermill (cwd: its folder; kernel over IPC sockets).
+
+    Returns:
+        The wall time in seconds.
+
+    Raises:
+        NotebookError: a cell failed, the kernel died or a cell ran past ``timeout`` seconds.
+    """
+    import papermill
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir:
+        try:
+            papermill.execute_notebook(
+                str(path), str(output), parameters=parameters, cwd=str(path.parent),
+                kernel_name="python3", progress_bar=False, log_output=log_output,
+                execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
+            )
+        except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
+            raise NotebookError(_failure_text(path.stem, err, output)) from None
+    return time.perf_counter() - start
+
+
+def solutions(solution_dir: Path | None = None) -> list[Path]:
+    """The solutions notebooks ``solutions/NN_name.ipynb`` (one per notebook, same stem), in order."""
+    return notebooks(solution_dir or SOLUTIONS_DIR)
+
+
+def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, only: Iterable[str] | None = None,
+                  log_output: bool = False) -> list[NotebookRun]:
+    """Execute the solutions notebooks against a run folder, into ``{run_dir}/executed/solutions/``.
+
+    Each solutions notebook reads the run's files (and runs the stages it needs that are missing,
+    with ``profile``, like :func:`require`); it writes only under ``{run_dir}/solutions/``.
+
+    Args:
+        run_dir: the run folder whose results the solutions use (e.g. ``runs/latest``).
+        profile: the profile of stages that must be run first (default: the run's, else :func:`default_profile`).
+        only: notebook numbers or stems (``["01"]``); default all.
+        log_output: stream the cells' output to this terminal.
+
+    Returns:
+        One :class:`NotebookRun` per executed solutions notebook.
+
+    Raises:
+        ParameterError: ``run_dir`` is not a folder, or ``only`` names no solutions notebook.
+        NotebookError: a solution failed (its assertion, or an error); the message names the cell.
+    """
+    folder = Path(run_dir).expanduser().resolve()
+    if not folder.is_dir():
+        raise ParameterError(f"run_dir={str(run_dir)!r} is not a run folder: run the series first (make tutorial) "
+                             "or pass --run-dir with the folder of a run")
+    recorded = results.load_summary(folder).get(report.SECTION, {}).get("start", {}).get("profile")
+    profile = profile or recorded or default_profile()
+    selected = [p for p in solutions() if not only or any(p.stem == str(o) or p.stem[:2] == str(o) for o in only)]
+    if not selected:
+        raise ParameterError(f"--only {list(only or [])}: no such solutions notebook; have {[p.stem for p in solutions()]}")
+    executed = folder / "executed" / "solutions"
+    executed.mkdir(parents=True, exist_ok=True)
+    done = []
+    for path in selected:
+        print(f"solutions of {path.stem} ...", flush=True)
+        wall = _execute(path, executed / path.name, {"run_dir": str(folder), "profile": profile},
+                        CELL_TIMEOUT_S.get(profile, 1800), log_output)
+        done.append(NotebookRun(path.stem, executed / path.name, wall))
+        print(f"solutions of {path.stem} done in {wall:.1f} s", flush=True)
+    print(f"{len(done)} solutions notebooks ran in {sum(r.wall_seconds for r in done):.1f} s: {executed}")
     return done
 
 
@@ -516,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     run_p.add_argument("--run-dir", default=None, help="run folder (default runs/<profile>-<time>)")
     run_p.add_argument("--only", nargs="+", default=None, metavar="NN", help="run only these notebooks")
     run_p.add_argument("--log-output", action="store_true", help="stream cell output")
+    sol_p = sub.add_parser("solutions", help="execute the exercises' solutions against a run folder")
+    sol_p.add_argument("--run-dir", default=str(RUNS_DIR / "latest"), help="run folder (default runs/latest)")
+    sol_p.add_argument("--profile", choices=sorted(PROFILES), default=None, help="profile of missing stages")
+    sol_p.add_argument("--only", nargs="+", default=None, metavar="NN", help="only these notebooks' solutions")
+    sol_p.add_argument("--log-output", action="store_true", help="stream cell output")
     params_p = sub.add_parser("params", help="list every notebook's parameters")
     params_p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     args = parser.parse_args(argv)
@@ -527,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name, info in notebook_parameters(path).items():
                     value = resolved.get(name, info["default"])
                     print(f"  {name:<24} {value!s:<20} {info.get('inferred_type_name', '')}  {info.get('help', '')}")
+            return 0
+        if args.command == "solutions":
+            run_solutions(args.run_dir, args.profile, only=args.only, log_output=args.log_output)
             return 0
         overrides = dict(parse_override(p) for p in args.param)
         run(args.profile, overrides, run_dir=args.run_dir, only=args.only, log_output=args.log_output)
