@@ -21,6 +21,7 @@ Known hang (megatron-core 0.19.2, as in 0.16.1): a split range with zero documen
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -145,14 +146,13 @@ def check_split(sequence_lengths: np.ndarray | int, split: str, *, parameter: st
         docs = rng[1] - rng[0]
         tokens = int(np.sum(sequence_lengths[rng[0]:rng[1]], dtype=np.int64))
         if docs == 0 or tokens == 0:
-            weights = [float(w) for w in str(split).split(",")] + [0.0] * 3
-            i = SPLIT_NAMES.index(name)
-            need = int(np.ceil(0.5 * sum(weights[:3]) / weights[i])) if weights[i] > 0 else 0
+            i = SPLIT_NAMES.index(name)  # the fewest documents that give this split one (its weight is > 0)
+            need = next(m for m in itertools.count(n + 1) if np.diff(split_document_ranges(m, split)[i])[0] > 0)
             raise ValueError(
                 f"{parameter}={split!r} gives the {name} split {docs} of {n} documents "
                 f"(range [{rng[0]}, {rng[1]}), {tokens} tokens): megatron-core 0.19.2 would loop "
                 f"forever in GPTDataset._get_num_epochs (gpt_dataset.py). Fix: use more documents "
-                f"(about {need} or more for this split), raise the {name} weight, or set it to 0 "
+                f"(at least {need} for this split), raise the {name} weight, or set it to 0 "
                 f"to build no {name} dataset (megatron then returns None for it)."
             )
     return ranges

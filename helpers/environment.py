@@ -59,7 +59,7 @@ def docker_run_command(
     repo = Path(repo_dir).resolve()
     parts = [
         "docker run --rm -it",
-        f"--gpus {gpus}",
+        f"--gpus {shlex.quote(gpus)}",  # '"device=0,1"' must reach docker with its double quotes
         f"--shm-size={shm_size}",
         "--ulimit memlock=-1 --ulimit stack=67108864",
         f"-p {jupyter_port}:{jupyter_port}",

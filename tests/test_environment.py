@@ -56,6 +56,15 @@ def test_docker_command_has_the_flags_multi_gpu_training_needs(tmp_path):
         assert flag in cmd
 
 
+def test_docker_command_keeps_the_quotes_of_a_device_list(tmp_path):
+    """Unquoted, a shell hands docker device=0,1, which it reads as a device and a count and refuses."""
+    import shlex
+
+    cmd = environment.docker_run_command(tmp_path, gpus='"device=0,1"')
+    words = shlex.split(cmd.replace("\\\n", " "))
+    assert words[words.index("--gpus") + 1] == '"device=0,1"'
+
+
 def test_docker_command_rejects_a_bad_port(tmp_path):
     with pytest.raises(ValueError, match="jupyter_port=70000"):
         environment.docker_run_command(tmp_path, jupyter_port=70000)
