@@ -2,8 +2,9 @@
 
 ``python -m helpers.book [RUN_DIR]`` (default ``runs/latest``) writes ``RUN_DIR/book/``: one page per
 executed notebook (nbconvert's ``HTMLExporter`` with JupyterLab's template: outputs and figures
-included, images inlined, so the folder is self-contained), links between notebooks pointing at
-the pages, and ``index.html`` listing them in order with the run's report card (``report.md``).
+included, images inlined, so the folder is self-contained), one per executed solutions notebook
+under ``solutions/`` when ``make solutions`` ran, links between notebooks pointing at the pages,
+and ``index.html`` listing them in order with the run's report card (``report.md``).
 Open ``book/index.html`` in a browser, or serve the folder (``python -m http.server -d RUN_DIR/book``).
 
 Source: nbconvert's documentation, "Using as a library" (``HTMLExporter``, ``template_name``);
@@ -19,7 +20,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_NOTEBOOK_LINK = re.compile(r'href="(\.\./notebooks/|\./)?(\d\d_[\w]+)\.ipynb(#[^"]*)?"')
+_NOTEBOOK_LINK = re.compile(r'href="(\.\./notebooks/|\./|\.\./)?(solutions/)?(\d\d_[\w]+)\.ipynb(#[^"]*)?"')
+
+
+def _page_link(m: re.Match) -> str:
+    """A link to a notebook, pointed at its page (``solutions/NN_x.ipynb`` -> ``solutions/NN_x.html``)."""
+    prefix = "" if m[1] == "../notebooks/" else (m[1] or "")
+    return f'href="{prefix}{m[2] or ""}{m[3]}.html{m[4] or ""}"'
 
 
 def _title(notebook) -> str:
@@ -50,20 +57,25 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
     out = Path(out_dir) if out_dir else run / "book"
     out.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter(template_name="lab")
-    entries = []
-    for path in pages:
+    entries: dict[str, list[str]] = {"": [], "solutions/": []}
+    solutions = sorted((run / "executed" / "solutions").glob("[0-9][0-9]_*.ipynb"))  # make solutions
+    if solutions:
+        (out / "solutions").mkdir(exist_ok=True)
+    for path, sub in [(p, "") for p in pages] + [(p, "solutions/") for p in solutions]:
         notebook = nbformat.read(path, as_version=4)
         body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": _title(notebook) or path.stem}})
-        body = _NOTEBOOK_LINK.sub(lambda m: f'href="{m[2]}.html{m[3] or ""}"', body)  # the pages link to each other
-        (out / f"{path.stem}.html").write_text(body, encoding="utf-8")
-        entries.append(f'<li><a href="{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
+        body = _NOTEBOOK_LINK.sub(_page_link, body)  # the pages link to each other
+        (out / sub / f"{path.stem}.html").write_text(body, encoding="utf-8")
+        entries[sub].append(f'<li><a href="{sub}{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
+    listed = f"<ol>{''.join(entries[''])}</ol>" + (f"<h2>The exercises' solutions</h2><ol>{''.join(entries['solutions/'])}</ol>"
+                                                  if entries["solutions/"] else "")
     report = run / "report.md"
     card = markdown2html(report.read_text(encoding="utf-8")) if report.is_file() else "<p>(no report card in this run)</p>"
     card = re.sub(r'(href|src)="figures/', r'\1="../figures/', card)  # the run's figures/, next to book/
     (out / "index.html").write_text(
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Pre-train a GPT with Megatron</title></head>"
         f"<body><h1>Pre-train a GPT with Megatron, hand it to transformers</h1><p>The executed notebooks of the run "
-        f"<code>{html.escape(run.name)}</code>, outputs and figures included.</p><ol>{''.join(entries)}</ol>"
+        f"<code>{html.escape(run.name)}</code>, outputs and figures included.</p>{listed}"
         f"<h2>The run's report card</h2>{card}</body></html>\n", encoding="utf-8")
     return out / "index.html"
 
@@ -77,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"book: {index} ({len(list(index.parent.glob('*.html'))) - 1} pages)")
+    print(f"book: {index} ({len(list(index.parent.glob('*.html'))) - 1} pages, "
+          f"{len(list(index.parent.glob('solutions/*.html')))} of solutions)")
     return 0
 
 
