@@ -62,10 +62,12 @@ lab: install
 
 RUN ?= runs/latest
 # The exercises' solutions (notebooks/solutions/) against a run (default runs/latest), executed into
-# RUN/executed/solutions/; each solution asserts its answer. ONLY="01 03" for some notebooks only.
+# RUN/executed/solutions/; each solution asserts its answer. ONLY="01 03" for some notebooks only;
+# WORKERS: notebooks at a time (2 overlaps the kernels' start-up on 2 cores).
 ONLY ?=
+WORKERS ?= 2
 solutions: install
-	$(PY) -m helpers.series solutions --run-dir $(RUN) $(if $(ONLY),--only $(ONLY))
+	$(PY) -m helpers.series solutions --run-dir $(RUN) --workers $(WORKERS) $(if $(ONLY),--only $(ONLY))
 
 # The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
 book: install

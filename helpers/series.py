@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -453,7 +454,7 @@ def solutions(solution_dir: Path | None = None) -> list[Path]:
 
 
 def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, only: Iterable[str] | None = None,
-                  log_output: bool = False) -> list[NotebookRun]:
+                  workers: int = 1, log_output: bool = False) -> list[NotebookRun]:
     """Execute the solutions notebooks against a run folder, into ``{run_dir}/executed/solutions/``.
 
     Each solutions notebook reads the run's files (and runs the stages it needs that are missing,
@@ -463,10 +464,12 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
         run_dir: the run folder whose results the solutions use (e.g. ``runs/latest``).
         profile: the profile of stages that must be run first (default: the run's, else :func:`default_profile`).
         only: notebook numbers or stems (``["01"]``); default all.
+        workers: how many notebooks run at a time (2 on 2 cores overlaps their kernels' imports);
+            with more than 1, the stages the solutions read (01, 03, 06) are made first.
         log_output: stream the cells' output to this terminal.
 
     Returns:
-        One :class:`NotebookRun` per executed solutions notebook.
+        One :class:`NotebookRun` per executed solutions notebook, in order.
 
     Raises:
         ParameterError: ``run_dir`` is not a folder, or ``only`` names no solutions notebook.
@@ -483,14 +486,20 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
         raise ParameterError(f"--only {list(only or [])}: no such solutions notebook; have {[p.stem for p in solutions()]}")
     executed = folder / "executed" / "solutions"
     executed.mkdir(parents=True, exist_ok=True)
-    done = []
-    for path in selected:
+    if workers > 1:  # the stages every solution may read, made once before the notebooks run side by side
+        require("07_evaluation", folder, profile)
+
+    def one(path: Path) -> NotebookRun:
         print(f"solutions of {path.stem} ...", flush=True)
         wall = _execute(path, executed / path.name, {"run_dir": str(folder), "profile": profile},
                         CELL_TIMEOUT_S.get(profile, 1800), log_output)
-        done.append(NotebookRun(path.stem, executed / path.name, wall))
         print(f"solutions of {path.stem} done in {wall:.1f} s", flush=True)
-    print(f"{len(done)} solutions notebooks ran in {sum(r.wall_seconds for r in done):.1f} s: {executed}")
+        return NotebookRun(path.stem, executed / path.name, wall)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # each notebook has its own kernel process
+        done = list(pool.map(one, selected))
+    print(f"{len(done)} solutions notebooks ran in {time.perf_counter() - start:.1f} s ({workers} at a time): {executed}")
     return done
 
 
@@ -584,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     sol_p.add_argument("--run-dir", default=str(RUNS_DIR / "latest"), help="run folder (default runs/latest)")
     sol_p.add_argument("--profile", choices=sorted(PROFILES), default=None, help="profile of missing stages")
     sol_p.add_argument("--only", nargs="+", default=None, metavar="NN", help="only these notebooks' solutions")
+    sol_p.add_argument("--workers", type=int, default=1, help="notebooks run at a time (default 1)")
     sol_p.add_argument("--log-output", action="store_true", help="stream cell output")
     params_p = sub.add_parser("params", help="list every notebook's parameters")
     params_p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
@@ -598,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name:<24} {value!s:<20} {info.get('inferred_type_name', '')}  {info.get('help', '')}")
             return 0
         if args.command == "solutions":
-            run_solutions(args.run_dir, args.profile, only=args.only, log_output=args.log_output)
+            run_solutions(args.run_dir, args.profile, only=args.only, workers=args.workers, log_output=args.log_output)
             return 0
         overrides = dict(parse_override(p) for p in args.param)
         run(args.profile, overrides, run_dir=args.run_dir, only=args.only, log_output=args.log_output)

@@ -321,7 +321,8 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, data_paralle
 
 
 def resolve_precision(precision: str) -> str:
-    """``"auto"`` -> fp32 on CPU, bf16 on a GPU that supports it, else fp16 (loss-scaled).
+    """``"auto"`` -> fp32 on CPU, bf16 on a GPU that has it in hardware (Ampere, compute capability
+    8.0, and later), else fp16 (loss-scaled); a V100 or T4 only emulates bf16, slowly.
 
     Raises:
         ValueError: unknown name, or bf16/fp16 without CUDA.
@@ -331,7 +332,7 @@ def resolve_precision(precision: str) -> str:
     if precision == "auto":
         if not torch.cuda.is_available():
             return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision={precision!r}: choose auto, fp32, bf16 or fp16")
     if precision != "fp32" and not torch.cuda.is_available():
