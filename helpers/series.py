@@ -372,12 +372,7 @@ def run(
             the partly executed notebook, which is saved.
     """
     profile = profile or default_profile()
-    selected = notebooks()
-    if only:
-        wanted = [str(o) for o in only]
-        selected = [p for p in selected if any(p.stem == w or p.stem.split("_")[0] == w for w in wanted)]
-        if not selected:
-            raise ParameterError(f"--only {wanted}: no such notebook; have {[p.stem for p in notebooks()]}")
+    selected = _select(notebooks(), only)
     if not selected:
         raise ParameterError(f"no notebooks NN_*.ipynb found in {NOTEBOOK_DIR}")
     if run_dir is None:
@@ -421,6 +416,19 @@ def run(
     print(f"  results:            {folder / results.SUMMARY_FILE}")
     print(f"  report card:        {_report_card(report.finish, folder)}")
     return done
+
+
+def _select(paths: list[Path], only: Iterable[str] | None, what: str = "notebook") -> list[Path]:
+    """The ``paths`` whose stem or number (``"01"``) is in ``only`` (all when it is empty).
+
+    Raises:
+        ParameterError: ``only`` names none of them.
+    """
+    wanted = [str(o) for o in only or ()]
+    selected = [p for p in paths if not wanted or any(p.stem == w or p.stem.split("_")[0] == w for w in wanted)]
+    if wanted and not selected:
+        raise ParameterError(f"--only {wanted}: no such {what}; have {[p.stem for p in paths]}")
+    return selected
 
 
 def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int | None, log_output: bool) -> float:
@@ -481,9 +489,7 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
                              "or pass --run-dir with the folder of a run")
     recorded = results.load_summary(folder).get(report.SECTION, {}).get("start", {}).get("profile")
     profile = profile or recorded or default_profile()
-    selected = [p for p in solutions() if not only or any(p.stem == str(o) or p.stem[:2] == str(o) for o in only)]
-    if not selected:
-        raise ParameterError(f"--only {list(only or [])}: no such solutions notebook; have {[p.stem for p in solutions()]}")
+    selected = _select(solutions(), only, "solutions notebook")
     executed = folder / "executed" / "solutions"
     executed.mkdir(parents=True, exist_ok=True)
     if workers > 1:  # the stages every solution may read, made once before the notebooks run side by side
