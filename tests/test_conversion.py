@@ -38,16 +38,7 @@ def tiny(**overrides) -> model_lib.ModelConfig:
     return model_lib.ModelConfig(**{**base, **overrides})
 
 
-def randomized_model(cfg: model_lib.ModelConfig, seed: int = 0):
-    """A local-spec GPTModel with every parameter random (megatron initialises biases to 0, LN to 1)."""
-    initialize_distributed(1, 1)
-    model = model_lib.build_model(cfg, layer_spec="local").eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.1
-            p.copy_(1.0 + noise if "layernorm" in name and name.endswith("weight") else noise * 2)
-    return model
+randomized_model = proofs.randomized_model  # test_megatron_lm_checkpoints.py imports it from here
 
 
 def weights(model) -> dict[str, torch.Tensor]:

@@ -37,6 +37,24 @@ _LEGACY_CONVERTER_MODULE = "transformers.models.megatron_gpt2.convert_megatron_g
 
 
 # =========================================================================== section 2: the guide's 2022 converter
+def randomized_model(cfg, seed: int = 0):
+    """A local-spec megatron-core ``GPTModel`` of ``cfg`` (a :class:`helpers.model.ModelConfig`) in eval
+    mode with every parameter random: weights and biases ``N(0, 0.2^2)``, LayerNorm weights ``1 + N(0, 0.1^2)``.
+    megatron-core initialises biases to 0 and LayerNorms to 1, which would hide a wrong bias or GELU in a
+    conversion. Sets up one-process model parallelism if it is not set up yet."""
+    from helpers import model as model_lib
+    from helpers.distributed import initialize_distributed
+
+    initialize_distributed(1, 1)
+    gpt = model_lib.build_model(cfg, layer_spec="local").eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.1
+            p.copy_(1.0 + noise if "layernorm" in name and name.endswith("weight") else noise * 2)
+    return gpt
+
+
 def legacy_converter_report(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """Why the guide's 2022 command does not apply to a megatron-core checkpoint, as facts.
 
