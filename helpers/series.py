@@ -480,13 +480,16 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
         One :class:`NotebookRun` per executed solutions notebook, in order.
 
     Raises:
-        ParameterError: ``run_dir`` is not a folder, or ``only`` names no solutions notebook.
+        ParameterError: ``run_dir`` is not a run folder (no summary), ``workers < 1``, or ``only`` names
+            no solutions notebook.
         NotebookError: a solution failed (its assertion, or an error); the message names the cell.
     """
     folder = Path(run_dir).expanduser().resolve()
-    if not folder.is_dir():
-        raise ParameterError(f"run_dir={str(run_dir)!r} is not a run folder: run the series first (make tutorial) "
-                             "or pass --run-dir with the folder of a run")
+    if not (folder / results.SUMMARY_FILE).is_file():  # the runner writes it first: an empty folder is no run
+        raise ParameterError(f"run_dir={str(run_dir)!r} is not a run folder (no {results.SUMMARY_FILE}): run the series "
+                             "first (make tutorial) or pass --run-dir with the folder of a run")
+    if workers < 1:
+        raise ParameterError(f"workers={workers}: run at least 1 notebook at a time (2 on 2 cores)")
     recorded = results.load_summary(folder).get(report.SECTION, {}).get("start", {}).get("profile")
     profile = profile or recorded or default_profile()
     selected = _select(solutions(), only, "solutions notebook")
@@ -503,7 +506,7 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
         return NotebookRun(path.stem, executed / path.name, wall)
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # each notebook has its own kernel process
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # each notebook has its own kernel process
         done = list(pool.map(one, selected))
     print(f"{len(done)} solutions notebooks ran in {time.perf_counter() - start:.1f} s ({workers} at a time): {executed}")
     return done

@@ -11,7 +11,7 @@ import re
 import nbformat
 import pytest
 
-from helpers import book, series
+from helpers import book, results, series
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -80,8 +80,14 @@ def test_solutions_notebooks_are_stripped_titled_and_take_the_runners_parameters
 def test_run_solutions_refuses_a_missing_run_folder_and_an_unknown_notebook(tmp_path):
     with pytest.raises(series.ParameterError, match="is not a run folder"):
         series.run_solutions(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()  # an empty folder is no run: it would build notebooks 01, 03 and 06 first
+    with pytest.raises(series.ParameterError, match="is not a run folder"):
+        series.run_solutions(tmp_path / "empty")
+    results.record(tmp_path, "x", "y", 1)
     with pytest.raises(series.ParameterError, match="no such solutions notebook"):
         series.run_solutions(tmp_path, "smoke", only=["99"])
+    with pytest.raises(series.ParameterError, match="workers=0"):
+        series.run_solutions(tmp_path, "smoke", workers=0)
 
 
 @pytest.mark.slow
