@@ -51,7 +51,7 @@ def _train(run: Path, data, iters: int, smoke: bool = False, **overrides: Any):
 
     settings = dict(data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir), split=data.split,
                     train_iters=iters, lr_warmup_iters=max(1, iters // 10), lr_decay_iters=iters, log_interval=10,
-                    eval_interval=iters, eval_iters=2, save_interval=iters, sample_interval=0)
+                    eval_interval=iters, eval_iters=2, save_interval=iters)
     settings |= ({k: v for k, v in SMOKE.items() if k != "model"} if smoke else {}) | overrides
     model = {"vocab_size": data.vocab_size} | (SMOKE["model"] if smoke else {})
     cfg = training_config.profile("gpu", str(run), model=model, **settings)

@@ -110,7 +110,7 @@ def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, se
     cfg = training_config.profile(
         "cpu", str(out_dir / name), data_prefix=str(paths.data_prefix), tokenizer_dir=str(paths.tokenizer_dir),
         split=paths.split, train_iters=iters, lr_decay_iters=iters, eval_interval=iters, save_interval=iters,
-        log_interval=10, sample_interval=0,
+        log_interval=10,
         model={"vocab_size": paths.vocab_size, "max_position_embeddings": seq, **model}, **rest)
     load_before = common.load_average()
     started = time.perf_counter()

@@ -24,7 +24,7 @@ imports megatron-core or torch at package import time, so ``import helpers`` is 
 
 Importing the package applies :func:`helpers.quiet.apply`, the series' one decision on which
 routine megatron-core and torch messages to hide (each listed with its source and meaning in
-``helpers/quiet.py``). Every notebook and every torchrun entry point (``-m helpers.training``)
+``helpers/quiet.py``). Every notebook and every torchrun entry point (``-m helpers.pretrain_gpt``)
 imports ``helpers`` before megatron-core, so the decision holds in every process.
 """
 

@@ -4,23 +4,24 @@ Layout, as Megatron-LM writes it (``megatron/training/checkpointing.py``)::
 
     checkpoints/latest_checkpointed_iteration.txt   # "300", written atomically after a save
     checkpoints/iter_0000300/                        # torch_dist: *.distcp shards, .metadata, metadata.json
-    checkpoints/iter_0000300/model_config.json       # this series: the model shape for converters
 
-A checkpoint holds the model, the optimizer (sharded like the parameters it belongs to),
-the learning-rate scheduler, every rank's RNG states, the iteration and the number of
-consumed training samples (the data position). Because each tensor is stored with its
-global shape and offset, a checkpoint saved with TP=2 loads with TP=1 (resharding).
+A checkpoint of Megatron-LM's loop holds the model, the optimizer (sharded like the
+parameters it belongs to), the learning-rate scheduler, every rank's RNG states, the
+iteration, the consumed samples and the command line (``args``), from which
+:func:`read_model_config` reads the model. Because each tensor is stored with its global shape
+and offset, a checkpoint saved with TP=2 loads with TP=1 (resharding). The series writes
+model-only checkpoints itself (:func:`save_model`: initial weights, a TP=2 demonstration, the
+way back from transformers), with a ``model_config.json`` beside the shards.
 
 Sources: Megatron-LM ``megatron/training/checkpointing.py`` (tracker file, ``iter_%07d``,
 ``generate_state_dict``), megatron-core ``dist_checkpointing/serialization.py``
-(``save``/``load``), ``megatron/core/optimizer/optimizer.py`` (``FP32Optimizer.sharded_state_dict``).
+(``save``/``load``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
@@ -77,7 +78,13 @@ def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
 
 
 def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """The ``model_config.json`` stored with a checkpoint (latest by default).
+    """The model a checkpoint holds, as ``ModelConfig.to_metadata()`` (latest iteration by default).
+
+    Megatron-LM's loop stores its command-line ``args`` in the checkpoint (the ``common_state``
+    of a torch_dist folder); ``helpers.megatron_lm.metadata_from_args`` reads the model from them,
+    and the tokenizer named by ``--tokenizer-model`` gives the exact vocabulary size. A
+    ``model_config.json`` beside the shards (written by the series' own saves, such as the way
+    back from transformers in notebook 06) is read instead when present.
 
     Returns:
         ``ModelConfig.to_metadata()`` of the model that was trained, plus ``iteration``,
@@ -85,6 +92,7 @@ def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None =
 
     Raises:
         FileNotFoundError: no checkpoint in ``checkpoint_dir``.
+        helpers.megatron_lm.ConversionError: the args describe a model the series cannot build.
     """
     if iteration is None:
         iteration = latest_iteration(checkpoint_dir)
@@ -92,7 +100,19 @@ def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None =
         raise FileNotFoundError(
             f"no checkpoint in {checkpoint_dir} ({TRACKER_FILE} missing): train first (notebook 03)"
         )
-    return json.loads((iteration_dir(checkpoint_dir, iteration) / MODEL_CONFIG_FILE).read_text())
+    folder = iteration_dir(checkpoint_dir, iteration)
+    if (folder / MODEL_CONFIG_FILE).exists():
+        return json.loads((folder / MODEL_CONFIG_FILE).read_text())
+    from helpers import megatron_lm, tokenizer
+
+    state = megatron_lm.read_common_state(folder)
+    meta = megatron_lm.metadata_from_args(state["args"])
+    if meta.get("tokenizer_dir") and (Path(meta["tokenizer_dir"]) / "vocab.json").exists():
+        meta["vocab_size"] = tokenizer.vocab_size_of(meta["tokenizer_dir"])
+    args = megatron_lm._args_dict(state["args"])
+    return {**meta, "iteration": int(state.get("iteration", iteration)),
+            "consumed_train_samples": args.get("consumed_train_samples"),
+            "data_parallel_size": args.get("data_parallel_size")}
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
@@ -121,135 +141,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # --------------------------------------------------------------------------- RNG states
-def get_rng_state() -> dict[str, Any]:
-    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and megatron's tracker."""
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
+def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_config: dict[str, Any]) -> Path:
+    """Save a ``GPTModel``'s weights (no optimizer) as ``iter_NNNNNNN`` with torch_dist, in Megatron's layout.
 
-    return {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+    ``model.sharded_state_dict()`` under ``"model"``, as Megatron-LM's ``save_checkpoint`` stores
+    it, so its loop can start from the folder (``--pretrained-checkpoint``: the weights, a fresh
+    optimizer, iteration 0) and any TP/PP layout reads it (each tensor is stored whole, with its
+    global shape). Every rank calls this. A half-written folder of the same iteration (from a
+    killed run) is removed first; ``model_config.json`` (what the folder holds, since it has no
+    Megatron-LM ``args``) is written next to the shards, then rank 0 updates
+    ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished.
 
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned."""
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-# --------------------------------------------------------------------------- optimizer
-def init_optimizer_state(optimizer) -> None:
-    """Create Adam's ``exp_avg``/``exp_avg_sq``/``step`` before the first step (zeros), so a
-    sharded state dict can be built to load into (megatron-core ``init_state_fn``)."""
-    import torch
-
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if len(state) == 0:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                fused = group.get("fused") or group.get("capturable")
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-
-
-def _optimizer_sharded_state_dict(optimizer, model_sharded_state_dict: dict) -> dict:
-    """The torch optimizer's state dict with each moment tensor sharded like its parameter.
-
-    Follows megatron-core ``FP32Optimizer.sharded_state_dict`` (optimizer/optimizer.py):
-    ``exp_avg``/``exp_avg_sq`` become ``ShardedTensor`` s keyed ``optimizer.state.<kind>.<param
-    key>``; Adam's per-parameter ``step`` is stored once as ``common_step``.
-    """
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        optim_state_to_sharding_state,
-    )
-
-    state_dict = optimizer.state_dict()
-    # torch numbers the state by position in param_groups order, not model.parameters() order.
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, params)
-    steps = [s["step"] for s in state_dict["state"].values() if "step" in s]
-    optim_state_to_sharding_state(state_dict, id_map, exclude_keys=("step",))
-    for s in state_dict["state"].values():
-        s.pop("step", None)
-    if steps:
-        state_dict["state"]["common_step"] = steps[0]
-    return state_dict
-
-
-def load_optimizer_state(optimizer, state_dict: dict) -> None:
-    """Inverse of :func:`_optimizer_sharded_state_dict` after ``dist_checkpointing.load``."""
-    import copy
-
-    step = state_dict["state"].pop("common_step", None)
-    if step is not None:
-        for s in state_dict["state"].values():
-            s["step"] = copy.deepcopy(step)
-    optimizer.load_state_dict(state_dict)
-
-
-# --------------------------------------------------------------------------- save / load
-def sharded_state_dict(model, optimizer, scheduler, *, iteration: int, consumed_train_samples: int,
-                       layout: tuple[int, int, int], extra: dict[str, Any] | None = None) -> dict:
-    """What one rank contributes to a checkpoint (Megatron-LM ``generate_state_dict``).
-
-    Args:
-        model: the bare ``GPTModel`` (unwrap DDP first).
-        optimizer: the torch optimizer over ``model.parameters()`` (state initialised).
-        scheduler: megatron-core ``OptimizerParamScheduler``.
-        iteration, consumed_train_samples: the training position.
-        layout: (tensor-, pipeline-, data-parallel size) of this run.
-        extra: more common (rank-0) entries, e.g. the training config.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    tp, pp, dp = layout
-    model_sd = model.sharded_state_dict()
-    rng = ShardedObject(
-        "rng_state", get_rng_state(), (pp, tp, dp),
-        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-         parallel_state.get_data_parallel_rank()),
-        replica_id=0,
-    )
-    return {
-        "model": model_sd,
-        "optimizer": _optimizer_sharded_state_dict(optimizer, model_sd),
-        "opt_param_scheduler": scheduler.state_dict(),
-        "rng_state": rng,
-        "iteration": iteration,
-        "consumed_train_samples": consumed_train_samples,
-        "parallel_layout": list(layout),
-        "checkpoint_version": 3.0,
-        **(extra or {}),
-    }
-
-
-def save_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, state: dict,
-                    model_config: dict[str, Any]) -> Path:
-    """Save ``state`` (from :func:`sharded_state_dict`) as ``iter_NNNNNNN`` with torch_dist.
-
-    Every rank calls this. A half-written folder of the same iteration (from a killed run)
-    is removed first; ``model_config.json`` is written next to the shards, then rank 0
-    updates ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished.
+    Must run in a process whose main module is import-guarded (a notebook, pytest, ``python -m``):
+    megatron-core's torch_dist writer starts a helper process.
 
     Returns:
         The ``iter_NNNNNNN`` folder.
     """
+    state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -268,35 +177,6 @@ def save_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, state: di
         _write_atomic(Path(checkpoint_dir) / TRACKER_FILE, f"{iteration}\n")
     dist.barrier()
     return folder
-
-
-def load_checkpoint(checkpoint_dir: str | os.PathLike, iteration: int, template: dict) -> dict:
-    """Load ``iter_NNNNNNN`` into the tensors of ``template`` (a :func:`sharded_state_dict`).
-
-    Returns:
-        The loaded state dict (model/optimizer tensors, scheduler state, RNG state of this
-        rank, iteration, consumed samples).
-
-    Raises:
-        CheckpointReadError: the folder could not be read (a damaged or partly copied shard,
-            missing keys); the message names the folder, the cause and the fixes.
-    """
-    from megatron.core import dist_checkpointing
-
-    folder = iteration_dir(checkpoint_dir, iteration)
-    try:
-        return dist_checkpointing.load(template, str(folder))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # torch's CheckpointException is a BaseException, missed by @record
-        failures = [f[0] for f in getattr(err, "failures", {}).values() if isinstance(f, tuple) and f]
-        cause = failures[0] if failures and isinstance(failures[0], BaseException) else err  # the rank's own error
-        raise CheckpointReadError(
-            f"could not read the checkpoint {folder} ({type(cause).__name__}{': ' if str(cause) else ''}"
-            f"{' '.join(str(cause).split())}); a shard may be "
-            f"damaged or partly copied. Fix: delete {folder.name} and write an earlier iteration into "
-            f"{Path(checkpoint_dir) / TRACKER_FILE}, or train into a new run folder."
-        ) from err
 
 
 def read_model_tensors(folder: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:

@@ -454,7 +454,7 @@ class MegatronCheckpoint:
         state_dict: local-spec module names -> full (merged) tensors; word embeddings keep the
             padding rows of the saving layout.
         meta: ``model_config.json`` (``ModelConfig.to_metadata`` + iteration, parallel sizes,
-            tokenizer_dir, precision when written by ``helpers.training``).
+            tokenizer_dir, precision when written by the series).
         source: the file or ``iter_NNNNNNN`` folder read.
         iteration: the training iteration, when known.
         format: ``"torch_dist"`` or ``"state_dict"``.
@@ -540,7 +540,7 @@ def load_megatron_checkpoint(source: str | os.PathLike, *,
             file of ``model.state_dict()`` (or ``{"model": state_dict}``; an in-memory state dict
             goes straight to :func:`megatron_to_hf_state_dict`) or Megatron-LM's ``model_optim_rng.pt``.
         model_config: the model's ``ModelConfig`` / metadata; default ``model_config.json`` next
-            to the checkpoint (written by ``helpers.checkpointing.save_checkpoint``), else Megatron-LM's args.
+            to the checkpoint (written by ``helpers.checkpointing.save_model``), else Megatron-LM's args.
         iteration: with a checkpoints folder, this iteration instead of the latest.
         weights_only: unpickle only tensors and plain data (``torch.load(weights_only=True)``;
             ``helpers.megatron_lm.load_pickle`` for Megatron-LM's files, which allows their

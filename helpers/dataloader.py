@@ -327,3 +327,56 @@ def build_blended_gpt_datasets(
     )
     with single_process():
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+# --------------------------------------------------------------------------- a run's datasets and micro-batches
+def build_run_datasets(cfg) -> list:
+    """The ``GPTDataset`` s Megatron-LM's loop builds for a run (``helpers.training_config.TrainingConfig``).
+
+    Same data, split, seed, sequence length and index cache (``{run}/data/cache``) as
+    ``--data-path``, ``--split``, ``--seed``, ``--seq-length`` and ``--data-cache-path``, and the
+    sizes ``megatron/training/training.py`` asks for (:func:`megatron_num_samples`); so sample
+    ``i`` of each split is the sample the loop reads as its ``i``-th.
+
+    Returns:
+        ``[train, valid, test]`` (a split of weight 0 is ``None``).
+    """
+    return build_gpt_datasets(
+        str(cfg.data_prefix_path), str(cfg.tokenizer_path), seq_length=cfg.model.seq_length, split=cfg.split,
+        num_samples=megatron_num_samples(cfg.train_iters, cfg.global_batch_size, cfg.eval_interval, cfg.eval_iters),
+        seed=cfg.seed, cache_dir=str(cfg.run_path / "data" / "cache"))
+
+
+def micro_batch_indices(consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                        data_parallel_size: int, num_micro_batches: int) -> list[list[int]]:
+    """Sample ids of this rank's micro-batches for the global batch starting at ``consumed_samples``.
+
+    As Megatron-LM's ``MegatronPretrainingSampler`` (``megatron/training/datasets/data_samplers.py``):
+    consecutive blocks of ``micro_batch_size x data_parallel_size`` samples, each split across
+    the data-parallel ranks. Resuming at ``consumed_samples`` continues exactly where training stopped.
+
+    Returns:
+        ``num_micro_batches`` lists of ``micro_batch_size`` sample ids.
+    """
+    block = micro_batch_size * data_parallel_size
+    return [
+        [consumed_samples + m * block + data_parallel_rank * micro_batch_size + j for j in range(micro_batch_size)]
+        for m in range(num_micro_batches)
+    ]
+
+
+def collate(dataset, indices: list[int], device: Any = "cpu") -> dict[str, Any]:
+    """Stack samples ``indices`` of a GPTDataset into a micro-batch (torch's default collate, as the loop's DataLoader).
+
+    Returns:
+        ``tokens``, ``labels``, ``position_ids`` int64 ``[micro_batch, seq]`` and ``loss_mask``
+        fp32 ``[micro_batch, seq]`` on ``device``.
+    """
+    import torch
+
+    samples = [dataset[i % len(dataset)] for i in indices]
+    out = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        t = torch.stack([torch.as_tensor(s[key]) for s in samples])
+        out[key] = (t.float() if key == "loss_mask" else t.long()).to(device)
+    return out

@@ -89,7 +89,7 @@ def torchrun_command(
 
     Args:
         target: a module name (``module=True``, run as ``-m target``) or a script path, plus
-            its arguments when a sequence is given: ``["helpers.training", "--config", "x.json"]``.
+            its arguments when a sequence is given: ``["helpers.pretrain_gpt", "--num-layers", "4", ...]``.
         nproc_per_node: processes (ranks) on this node; one per GPU on a GPU machine.
         nnodes, node_rank, master_addr, master_port: the static rendezvous of a multi-node job
             (torchrun's ``--nnodes/--node-rank/--master-addr/--master-port``).
@@ -127,6 +127,32 @@ def _rank_error(lines: Sequence[str], rank: int | None) -> str | None:
                 and (rank is None or match.group(1) in (None, str(rank)))):
             found = match.group(2)
     return found
+
+
+_MEGATRON_ERROR = re.compile(r"^ERROR:megatron[\w.]*:(.+)$")
+#: Exit codes Megatron-LM's loop ends with on purpose (``megatron/core/rerun_state_machine.py``).
+MEGATRON_EXIT_CODES = {16: "Megatron-LM's rerun state machine found an unexpected result (NaN or Inf loss, a spiky "
+                           "loss), saved a checkpoint for a diagnostic rerun and stopped (exit code 16)"}
+
+
+#: What to do about a failure Megatron-LM reports in its own words (found in the cause).
+MEGATRON_HINTS = {
+    "OptimizerParamScheduler: class input value": (
+        "the checkpoint was trained with another learning-rate schedule (Megatron-LM counts it in samples: "
+        "iterations x global batch size). Say which to follow: override_opt_param_scheduler=True (this run's, "
+        "--override-opt_param-scheduler) or use_checkpoint_opt_param_scheduler=True (the checkpoint's), or train "
+        "into a new run folder"),
+    "in local forward loss calculation": (
+        "the loss is not finite: lower lr, keep clip_grad on, check model.init_method_std; Megatron-LM saved the "
+        "last step for a rerun, so delete that checkpoint (or train into a new run folder) before training again"),
+}
+
+
+def _megatron_error(lines: Sequence[str]) -> str | None:
+    """The cause Megatron-LM logged before a deliberate exit: the first ``ERROR:megatron...`` line
+    that carries a ``message=`` (the rerun state machine's check that failed), else the last one."""
+    found = [m.group(1).strip() for line in lines if (m := _MEGATRON_ERROR.match(line.strip()))]
+    return next((f for f in found if "message=" in f), found[-1] if found else None)
 
 
 def error_files(log_dir: str | os.PathLike, since: float = 0.0) -> list[dict[str, Any]]:
@@ -190,7 +216,7 @@ def torchrun(
         log_dir: torchrun's ``--log-dir`` (set as ``PET_LOG_DIR``) for the ranks' error files
             (default: a temporary folder, removed after a success).
 
-    The job's processes get ``HELPERS_LAUNCHER_PID`` (this process): ``helpers.training`` stops
+    The job's processes get ``HELPERS_LAUNCHER_PID`` (this process): ``helpers.pretrain_gpt`` stops
     when this process dies (:func:`helpers.run_guard.watch_launcher`).
 
     Returns:
@@ -303,7 +329,7 @@ def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: lis
     if first is None and (agent := _AGENT_SIGNAL.search(text)):
         name = signal.Signals(int(agent.group(1))).name
         return LaunchError(f"torchrun received {name} and stopped its workers (exit code {returncode}); on SIGTERM "
-                           "a helpers.training worker saves a checkpoint first: see the log", "\n".join(tail))
+                           "Megatron-LM's loop (--exit-signal-handler) saves a checkpoint first: see the log", "\n".join(tail))
     if first is None and returncode < 0:
         name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
         return LaunchError(f"torchrun was ended by {name} (exit code {returncode}); its workers stop on their own "
@@ -313,14 +339,18 @@ def _failure(returncode: int, lines: list[str], tail: Sequence[str], errors: lis
     else:
         match = _ROOT_CAUSE_RANK.search(text)
         rank = int(match.group(1)) if match else None
-        cause = _rank_error(lines, rank)
+        cause = _rank_error(lines, rank) or _megatron_error(lines)
         root = text[text.find("Root Cause"):] if "Root Cause" in text else ""
         if (killed := _SIGNALLED.search(root)) is not None:
             cause = (f"killed by {killed.group(2)} (signal {killed.group(1)})"
                      + ("; the kernel's out-of-memory killer sends SIGKILL" if killed.group(2) == "SIGKILL" else ""))
     who = f"rank {rank}" if rank is not None else "a process"
+    code = re.search(r"exitcode\s*:\s*(\d+)", text)
+    why = MEGATRON_EXIT_CODES.get(int(code.group(1)) if code else -1)
+    hint = next((h for k, h in MEGATRON_HINTS.items() if cause and k in cause), None)
     headline = (f"torchrun job failed: {who} exited with an error (exit code {returncode})"
-                + (f": {cause.splitlines()[0]}" if cause else "."))
+                + (f": {cause.splitlines()[0]}" if cause else ".") + (f" [{why}]" if why else "")
+                + (f". Fix: {hint}" if hint else ""))
     failure = [f"rank:       {who} (the first to fail)"]
     if cause:
         failure.append(f"exception:  {' '.join(cause.split())}")
@@ -362,17 +392,23 @@ class TrainingResult:
     log: list[str]
 
 
-_ITER_LINE = "iteration "
+_ITERATION = re.compile(r"\biteration\s+(\d+)/\s*\d+ \|")
+#: Lines of Megatron-LM's log a notebook shows under the progress bar.
+_SHOWN = ("validation loss at", "successfully saved checkpoint", "exiting program", "number of parameters on",
+          "loading distributed checkpoint", "could not find arguments in the checkpoint")
 
 
 def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
-           master_port: int | None = None, progress: bool = True, echo: bool = False,
-           config_name: str = "run.json", env: dict[str, str] | None = None,
-           max_epochs: float = 16.0) -> TrainingResult:
-    """Write ``run.json`` into the run folder and run the training script under torchrun, with a progress bar.
+          master_port: int | None = None, progress: bool = True, echo: bool = False,
+          config_name: str = "run.json", env: dict[str, str] | None = None,
+          max_epochs: float = 16.0) -> TrainingResult:
+    """Run Megatron-LM's training loop on ``cfg`` under torchrun, with a progress bar.
 
-    ``cfg`` is a :class:`helpers.training_config.TrainingConfig`; the command is
-    ``python -m torch.distributed.run --nproc_per_node N -m helpers.training --config run.json``.
+    The command is :func:`helpers.megatron_args.command`: ``torchrun --nproc-per-node N -m
+    helpers.pretrain_gpt <Megatron-LM's flags>``; ``run.json`` records ``cfg`` in the run folder,
+    ``training.log`` the loop's output, and ``metrics.jsonl`` / ``training_summary.json`` what it
+    logged (:mod:`helpers.metrics`). Megatron-LM resumes from the latest checkpoint in
+    ``cfg.checkpoint_path`` itself (``--load``).
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
     The config, and an existing checkpoint's model shape, are checked here first, so bad
@@ -381,7 +417,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     Args:
         cfg: the run; ``nproc_per_node`` must be a multiple of TP x PP.
         nproc_per_node: processes (one per GPU on a GPU machine).
-        timeout_s: wall-clock limit (s); past it every process is killed.
+        timeout_s: wall-clock limit (s); past it every process is killed (SIGTERM first: the
+            loop saves a checkpoint, ``--exit-signal-handler``).
         master_port: rendezvous port (a free one by default).
         progress: show a tqdm bar over iterations; ``echo`` also prints every log line.
         env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
@@ -400,9 +437,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     """
     from tqdm.auto import tqdm
 
-    from helpers import checkpointing, preflight
-    from helpers.metrics import read_metrics
-    from helpers.training_config import check_resume_schedule, check_same_run
+    from helpers import checkpointing, megatron_args, metrics, preflight
+    from helpers.training_config import check_same_run
 
     cfg.check(nproc_per_node)
     run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
@@ -414,38 +450,33 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
         if (cfg.run_path / config_name).exists():  # a cached result must be this config's
             check_same_run(cfg, json.loads((cfg.run_path / config_name).read_text()))
-        return TrainingResult(json.loads(summary_path.read_text()), read_metrics(cfg.metrics_file), 0.0, True, [])
-    if latest is not None:
-        check_resume_schedule(cfg, saved)  # a resume with another LR schedule is refused here, before torchrun
+        return TrainingResult(json.loads(summary_path.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
     preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
-    config_path = cfg.to_json(cfg.run_path / config_name)
+    cfg.to_json(cfg.run_path / config_name)
+    log_path = cfg.run_path / "training.log"
+    if latest is None and log_path.exists():  # a fresh start: the log of an earlier, deleted run goes
+        log_path.unlink()
     bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
-    info: dict[str, str] = {}
 
     def on_line(line: str) -> None:
-        stripped = line.strip()
-        if bar is not None and stripped.startswith(_ITER_LINE):
-            try:
-                it = int(stripped.split()[1].split("/")[0])
-            except (IndexError, ValueError):
-                it = None
-            if it is not None:
-                bar.update(it - bar.n)
-                if "lm loss:" in stripped:
-                    info["loss"] = stripped.split("lm loss:")[1].split("|")[0].strip()
-                    bar.set_postfix(loss=float(info["loss"]))
-        if echo or (bar is None and stripped):
+        match = _ITERATION.search(line)
+        if bar is not None and match:
+            bar.update(int(match[1]) - bar.n)
+            if "lm loss:" in line:
+                bar.set_postfix(loss=float(line.split("lm loss:")[1].split("|")[0]))
+        if echo or (bar is None and line.strip()):
             print(line, flush=True)
-        elif stripped.startswith((">", "validation", "saved", "exiting", "sample")):
-            (bar.write if bar is not None else print)(stripped)
+        elif any(s in line for s in _SHOWN):
+            (bar.write if bar is not None else print)(line.strip())
 
     try:
-        res = torchrun(["helpers.training", "--config", str(config_path)], nproc_per_node=nproc_per_node,
-                                  timeout_s=timeout_s, master_port=master_port, on_line=on_line,
-                                  log_path=cfg.run_path / "training.log", env=env,
-                                  log_dir=cfg.run_path / "torchrun_logs")
+        res = torchrun([*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)], nproc_per_node=nproc_per_node,
+                       timeout_s=timeout_s, master_port=master_port, on_line=on_line, log_path=log_path,
+                       env={**megatron_args.ENV, **(env or {})}, log_dir=cfg.run_path / "torchrun_logs")
     finally:
         if bar is not None:
             bar.close()
-    summary = json.loads(summary_path.read_text())
-    return TrainingResult(summary, read_metrics(cfg.metrics_file), res.wall_seconds, False, res.lines)
+    records = metrics.from_megatron_lm(cfg, log_path.read_text(errors="replace"))
+    summary = metrics.summary(cfg, records, nproc_per_node=nproc_per_node, optimizer=megatron_args.optimizer_name())
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return TrainingResult(summary, records, res.wall_seconds, False, res.lines)

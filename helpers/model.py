@@ -47,11 +47,12 @@ class ModelConfig:
             ``F.gelu``, the exact **erf** GELU.
         masked_softmax_fusion, bias_dropout_fusion: megatron-core fusion flags (work on CPU).
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
-        core_attention: the attention kernel of the local layer spec: ``"sdpa"`` (torch's
-            fused ``scaled_dot_product_attention``, :class:`helpers.attention.SDPAttention`) or ``"unfused"``
+        core_attention: the attention kernel of the local layer spec: ``"unfused"``
             (megatron-core's ``DotProductAttention``: scores, mask, softmax, dropout and the
-            value product as separate ops). Ignored by the Transformer Engine spec, which
-            has fused attention of its own.
+            value product as separate ops; what Megatron-LM's ``--transformer-impl local`` trains
+            with) or ``"sdpa"`` (torch's fused ``scaled_dot_product_attention``,
+            :class:`helpers.attention.SDPAttention`, which notebook 04 measures against it).
+            Ignored by the Transformer Engine spec, which has fused attention of its own.
     """
 
     num_layers: int = 4
@@ -70,7 +71,7 @@ class ModelConfig:
     masked_softmax_fusion: bool = False
     bias_dropout_fusion: bool = False
     share_embeddings_and_output_weights: bool = True
-    core_attention: str = "sdpa"
+    core_attention: str = "unfused"
 
     def __post_init__(self) -> None:
         if self.core_attention not in CORE_ATTENTIONS:

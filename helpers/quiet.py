@@ -9,7 +9,7 @@ what it hid, so a notebook can explain each one once (notebook 00 shows the tabl
 the ``GPTModel`` deprecation) instead of printing it on every save.
 
 Importing :mod:`helpers` calls :func:`apply`, so it runs before megatron-core in every notebook
-and every torchrun entry point (``-m helpers.training``)::
+and every torchrun entry point (``-m helpers.pretrain_gpt``)::
 
     import helpers                # or: from helpers import ...
     import megatron.core          # megatron.core.__version__ == "0.19.2", no warnings

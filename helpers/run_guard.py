@@ -4,7 +4,7 @@ torch elastic starts every worker in a session of its own, so killing the launch
 group (``kill -9 -PGID``, a closed laptop lid, a crashed kernel) does not reach the trainer: it
 would go on writing checkpoints and metrics into a run folder that a rerun is already using.
 
-- :func:`watch_launcher` (called first by ``helpers.training.main``) starts a thread that
+- :func:`watch_launcher` (called first by ``helpers.pretrain_gpt.main``) starts a thread that
   notices when the process's parent (torchrun's agent) or the launching process named by
   ``HELPERS_LAUNCHER_PID`` (the notebook kernel, set by :func:`helpers.launch.torchrun`) is
   gone, and sends this process SIGTERM: the training loop then saves a checkpoint at the end of
@@ -71,7 +71,7 @@ def watch_launcher(interval_s: float = 1.0, grace_s: float = 120.0) -> threading
     The launcher is gone when, under torchrun (``TORCHELASTIC_RUN_ID`` set), the parent pid
     changes (the orphan was re-parented to init or a subreaper), or when the process named by
     ``$HELPERS_LAUNCHER_PID`` no longer runs. A trainer started by hand (``nohup python -m
-    helpers.training ...``) outlives its shell, as it should. Checked every ``interval_s``
+    helpers.pretrain_gpt ...``) outlives its shell, as it should. Checked every ``interval_s``
     seconds by a daemon thread, which is returned. The job's output goes to a file
     (:func:`helpers.launch.torchrun`), so its last prints and the save do not depend on the
     dead launcher.

@@ -1,9 +1,9 @@
 """What one training run is: its configuration, its profiles, and the metrics file it writes.
 
 :class:`TrainingConfig` carries Megatron-LM's argument names (``--micro-batch-size``,
-``--global-batch-size``, ``--lr-warmup-iters``...) and is written as ``run.json``, the
-``--config`` of the training script :mod:`helpers.training`. Notebook 03 builds one from its
-parameters; notebooks 05 and 06 read it back.
+``--global-batch-size``, ``--lr-warmup-iters``...): :mod:`helpers.megatron_args` turns it into
+the flags of Megatron-LM's training script, and ``helpers.launch.train`` writes it as the run
+folder's ``run.json``. Notebook 03 builds one from its parameters; notebooks 05 and 06 read it back.
 
 Sources: Megatron-LM ``megatron/training/arguments.py`` (the names and defaults),
 ``megatron/core/num_microbatches_calculator.py``, ``megatron/training/training.py``
@@ -24,9 +24,13 @@ from helpers.model import PROFILES as MODEL_PROFILES
 from helpers.model import ModelConfig
 
 SUMMARY_FILE = "training_summary.json"
+#: Fields of run.json files written by earlier versions of the series (its own training loop's
+#: samples and DDP switch); read back, they are dropped: none changes what Megatron-LM trains.
+_RETIRED_FIELDS = {"sample_interval", "sample_prompt", "sample_tokens", "use_megatron_ddp"}
 METRICS_FILE = "metrics.jsonl"
 #: What :meth:`TrainingConfig.check` accepts for a field declared so (a bool is no number here).
-_FIELD_TYPES = {"int": (Integral,), "int | None": (Integral, type(None)), "float": (Real,), "bool": (bool,)}
+_FIELD_TYPES = {"int": (Integral,), "int | None": (Integral, type(None)), "float": (Real,), "bool": (bool,),
+                "str | None": (str, type(None))}
 
 
 # =========================================================================== configuration
@@ -42,11 +46,12 @@ class TrainingConfig:
     Attributes (units): batch sizes in samples of ``seq_length`` tokens; iterations are
     optimizer steps; ``lr``/``min_lr`` per step; intervals in iterations.
     ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``: Megatron-LM's
-    flags for a resume whose learning-rate schedule (:meth:`lr_schedule_settings`) differs from
-    the checkpoint's: follow this config's schedule, or the saved one. With neither, such a
-    resume is refused (:func:`check_resume_schedule`). Every ``sample_interval`` iterations (0:
-    never) the loop prints ``sample_prompt`` continued by ``sample_tokens`` sampled tokens, as
-    nanoGPT and nanochat do (:func:`helpers.training.sample_text`).
+    flags for a resume whose learning-rate schedule differs from the checkpoint's: follow this
+    config's schedule, or the saved one (with neither, Megatron-LM refuses such a resume).
+    ``pretrained_checkpoint``: a checkpoint folder whose model weights a run starts from when
+    ``checkpoint_dir`` holds none yet (Megatron-LM's ``--pretrained-checkpoint``: iteration 0,
+    a fresh optimizer). ``layer_spec`` picks ``--transformer-impl`` on a GPU (``"auto"``:
+    Transformer Engine when installed); a CPU always runs megatron-core's local layers.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -75,14 +80,11 @@ class TrainingConfig:
     eval_iters: int = 4
     save_interval: int | None = 250
     exit_interval: int | None = None
-    sample_interval: int = 0
-    sample_prompt: str = "def "
-    sample_tokens: int = 48
     checkpoint_dir: str | None = None
+    pretrained_checkpoint: str | None = None
     tensorboard_dir: str | None = None
     metrics_path: str | None = None
     layer_spec: str = "auto"
-    use_megatron_ddp: bool = True
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
 
@@ -127,10 +129,6 @@ class TrainingConfig:
         """``lr_decay_iters``, or ``train_iters`` when unset (Megatron's default)."""
         return self.lr_decay_iters or self.train_iters
 
-    def lr_schedule_settings(self) -> dict[str, Any]:
-        """What defines the learning-rate schedule; written next to each checkpoint."""
-        return {"lr": self.lr, "min_lr": self.min_lr, "lr_warmup_iters": self.lr_warmup_iters,
-                "lr_decay_iters": self.decay_iters, "lr_decay_style": self.lr_decay_style}
 
     # ----------------------------------------------------------------- (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -153,7 +151,7 @@ class TrainingConfig:
         Raises:
             ValueError: unknown keys (listed with the valid ones).
         """
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k not in _RETIRED_FIELDS}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -216,9 +214,7 @@ class TrainingConfig:
                  "adam_beta2": (0 <= self.adam_beta2 < 1, "must be in [0, 1) (the guide: 0.999)"),
                  "adam_eps": (self.adam_eps > 0, "must be positive (the guide: 1e-8)"),
                  "weight_decay": (self.weight_decay >= 0, "must be >= 0 (0 turns it off)"),
-                 "clip_grad": (self.clip_grad >= 0, "must be >= 0 (0 turns it off)"),
-                 "sample_interval": (self.sample_interval >= 0, "must be >= 0 (0: no samples during training)"),
-                 "sample_tokens": (self.sample_tokens >= 1 or not self.sample_interval, "must be >= 1 to sample")}
+                 "clip_grad": (self.clip_grad >= 0, "must be >= 0 (0 turns it off)")}
         for name, (ok, rule) in rules.items():
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)} {rule}")
@@ -253,6 +249,9 @@ class TrainingConfig:
         from helpers import dataloader
 
         dataloader.check_split(dataloader._sequence_lengths(str(prefix)), self.split)  # empty split: error, not a hang
+        if self.pretrained_checkpoint and not (Path(self.pretrained_checkpoint) / "latest_checkpointed_iteration.txt").exists():
+            raise FileNotFoundError(f"pretrained_checkpoint={self.pretrained_checkpoint} holds no checkpoint "
+                                    "(latest_checkpointed_iteration.txt): pass a checkpoints folder")
         if not (self.tokenizer_path / "vocab.json").exists():
             raise FileNotFoundError(f"no tokenizer in {self.tokenizer_path} (vocab.json): run notebook 01 first")
         from helpers import tokenizer as tokenizer_lib
@@ -276,7 +275,7 @@ PROFILES: dict[str, TrainingConfig] = {
     "gpu": TrainingConfig(
         model=MODEL_PROFILES["codeparrot-small"], micro_batch_size=8, global_batch_size=64, train_iters=3000,
         lr=6e-4, min_lr=6e-5, lr_warmup_iters=300, lr_decay_iters=3000, log_interval=50, eval_interval=500,
-        eval_iters=10, save_interval=1000, sample_interval=500),
+        eval_iters=10, save_interval=1000),
     "codeparrot-small": TrainingConfig(
         model=MODEL_PROFILES["codeparrot-small"], micro_batch_size=12, global_batch_size=192,
         train_iters=150_000, lr=5e-4, min_lr=0.0, lr_warmup_iters=2000, lr_decay_iters=150_000,
@@ -342,9 +341,8 @@ def resolve_precision(precision: str) -> str:
 
 #: Fields that do not change what a run trains (logging, saving, sampling, paths, resume flags).
 RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
-                   "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval", "sample_interval",
-                   "sample_prompt", "sample_tokens", "override_opt_param_scheduler",
-                   "use_checkpoint_opt_param_scheduler"}
+                   "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
+                   "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
 
 
 def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
@@ -361,42 +359,3 @@ def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
             f"{cfg.run_path} already holds a finished run (train_iters={cfg.train_iters}) trained with other "
             f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
             f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")
-
-
-def check_resume_schedule(cfg: TrainingConfig, saved: dict[str, Any]) -> dict[str, Any] | None:
-    """Decide the learning-rate schedule of a resume, as Megatron-LM does (``optimizer_param_scheduler.py``).
-
-    Args:
-        cfg: the run about to resume.
-        saved: the checkpoint's ``model_config.json`` (its ``lr_schedule``, when present).
-
-    Returns:
-        The schedule settings to use instead of ``cfg``'s (the checkpoint's, with
-        ``use_checkpoint_opt_param_scheduler``), or None to use ``cfg``'s.
-
-    Raises:
-        ValueError: the schedules differ and neither flag says which one to follow; the
-            message lists the differences and both options. Or
-            ``use_checkpoint_opt_param_scheduler`` with a saved schedule that lacks some of
-            :meth:`TrainingConfig.lr_schedule_settings`' keys (named): it cannot be rebuilt.
-    """
-    old = saved.get("lr_schedule")
-    new = cfg.lr_schedule_settings()
-    if not old or all(old.get(k) == v for k, v in new.items()):
-        return None
-    missing = [k for k in new if k not in old]
-    if cfg.use_checkpoint_opt_param_scheduler and missing:
-        raise ValueError(f"use_checkpoint_opt_param_scheduler=True, but the checkpoint's lr_schedule records no "
-                         f"{missing} (only {sorted(old)}): the saved schedule cannot be rebuilt. Set "
-                         "override_opt_param_scheduler=True (this run's schedule) or train into a new run folder. "
-                         "Nothing was loaded or changed.")
-    if cfg.use_checkpoint_opt_param_scheduler:
-        return {k: old[k] for k in new}
-    if cfg.override_opt_param_scheduler:
-        return None
-    diffs = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])
-    raise ValueError(
-        f"the checkpoint's learning-rate schedule differs from this run's ({diffs}). Resuming would jump "
-        "the learning rate. Say which to follow, as Megatron-LM asks: override_opt_param_scheduler=True "
-        "(this run's schedule from the saved iteration on) or use_checkpoint_opt_param_scheduler=True "
-        "(the saved schedule). Nothing was loaded or changed.")

@@ -4,6 +4,8 @@ the shim and its test."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def _tiny_model():
     return model.build_model(cfg)
 
 
-@pytest.mark.parametrize("shim", cpu_compat.SHIMS, ids=lambda s: s.name)
+@pytest.mark.parametrize("shim", cpu_compat.SHIMS + (cpu_compat.WHEEL_SHIM,), ids=lambda s: s.name)
 def test_named_lines_still_hold_the_cuda_only_call(shim):
     """The megatron-core lines each shim names still make the CUDA-only call it works around."""
     from helpers.environment import package_version
@@ -62,6 +64,22 @@ def _failing_expression(module, snippet: str):
             return torch.zeros(1).cuda()
 
         return probe
+    cuda = lambda: module.torch.cuda  # noqa: E731 (the module's torch.cuda at call time: patched or not)
+    if "is_available" in snippet:
+        return lambda: _none(assert_true(cuda().is_available()))
+    if "device_count" in snippet:
+        return lambda: _none(assert_true(cuda().device_count() > 0))
+    if "set_device" in snippet:
+        return lambda: cuda().set_device(0)
+    if "get_device_properties" in snippet:
+        return lambda: _none(cuda().get_device_properties(torch.device("cuda:0")).major)
+    if snippet == "torch.cuda.Stream()":
+        return lambda: cuda().Stream()
+    if "torch.cuda.stream(" in snippet:
+        def enter_stream():
+            with cuda().stream(cuda().Stream()):
+                return None
+        return enter_stream
     if "current_device" in snippet:
         return lambda: torch.empty(1, device=module.torch.cuda.current_device())
     if "current_stream" in snippet:
@@ -73,13 +91,26 @@ def _failing_expression(module, snippet: str):
     return lambda: module.torch.zeros([], dtype=torch.int, device="cuda")
 
 
+def assert_true(value):
+    assert value
+    return value
+
+
+def _none(_):
+    return None
+
+
 def _original_code(module):
     cls_name, method = cpu_compat.METHOD_SHIMS["language_module"]
     original = cpu_compat._state["originals"].get(("language_module", method))
     return (original or getattr(getattr(module, cls_name), method)).__code__
 
 
-@pytest.mark.parametrize("shim", cpu_compat.SHIMS, ids=lambda s: s.name)
+#: Shims tested by their own test below: a function replaced, or a faster kernel rather than a failure.
+_OWN_TEST = {"clip_grad_by_total_norm", "warmup_jit", "fused_adamw"}
+
+
+@pytest.mark.parametrize("shim", [s for s in cpu_compat.SHIMS if s.name not in _OWN_TEST], ids=lambda s: s.name)
 def test_unpatched_call_fails_patched_call_runs(shim):
     """Each named call raises on CPU without the shim and runs on the CPU with it."""
     import importlib
@@ -194,3 +225,83 @@ def test_cpu_torch_redirects_only_cuda():
     assert proxy.float32 is torch.float32 and proxy.Tensor is torch.Tensor
     assert proxy.cuda.current_device() == torch.device("cpu")
     assert proxy.cuda.is_available() is torch.cuda.is_available()
+
+
+def test_clip_grad_by_total_norm_asserts_cuda_unpatched_and_scales_patched():
+    """megatron-core's clip asserts torch.cuda.FloatTensor gradients (clip_grads.py:174); the
+    replacement scales them by max_norm / (total_norm + 1e-6), as the original does on a GPU."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    cpu_compat.apply()
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    with cpu_compat.unpatched():
+        with pytest.raises(AssertionError):
+            optimizer.clip_grad_by_total_norm_fp32([p], 1.0, 5.0)
+    optimizer.clip_grad_by_total_norm_fp32([p], 1.0, 5.0)
+    assert torch.allclose(p.grad, torch.tensor([3.0, 4.0, 0.0]) / (5.0 + 1e-6), rtol=0, atol=1e-7)
+    before = p.grad.clone()
+    optimizer.clip_grad_by_total_norm_fp32([p], 10.0, 1.0)  # below the threshold: untouched
+    assert torch.equal(p.grad, before)
+    assert optimizer.clip_grad_by_total_norm_fp32 is cpu_compat.clip_grad_by_total_norm_fp32
+    assert clip_grads.clip_grad_by_total_norm_fp32 is not cpu_compat.clip_grad_by_total_norm_fp32
+
+
+def test_jit_warmup_would_draw_from_the_weights_generator():
+    """Megatron-LM's _warmup_jit_function draws torch.rand on 'cuda' (initialize.py:509, 518): on a
+    CPU, behind the device proxy, those draws move the generator that then initialises the weights."""
+    from argparse import Namespace
+
+    from megatron.training import global_vars, initialize
+
+    cpu_compat.apply()
+    args = Namespace(bf16=False, fp16=False, ffn_hidden_size=16, tensor_model_parallel_size=1, seq_length=4,
+                     context_parallel_size=1, micro_batch_size=1, swiglu=False, sequence_parallel=False, hidden_size=4)
+    saved = global_vars._GLOBAL_ARGS
+    global_vars._GLOBAL_ARGS = args
+    try:
+        original = cpu_compat._state["originals"][("warmup_jit", "_warmup_jit_function")]
+        torch.manual_seed(0)
+        original()
+        moved = torch.get_rng_state()
+        torch.manual_seed(0)
+        initialize._warmup_jit_function()
+        assert not torch.equal(moved, torch.get_rng_state()), "the original warm-up draws from the CPU generator"
+        torch.manual_seed(0)
+        assert torch.equal(torch.get_rng_state(), torch.random.default_generator.get_state())
+    finally:
+        global_vars._GLOBAL_ARGS = saved
+
+
+def test_fused_adamw_is_the_same_numbers_faster():
+    """Unpatched, Megatron-LM's optimizer on a CPU is torch's for-loop AdamW; patched, torch's fused
+    AdamW, whose steps agree to float32 rounding (a few elements differ in the last bit)."""
+    import megatron.core.optimizer as mopt
+
+    cpu_compat.apply()
+    made = {}
+    for label, ctx in (("loop", cpu_compat.unpatched()), ("fused", contextlib.nullcontext())):
+        with ctx:
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+            opt = mopt.torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+            for step in range(3):
+                for q in params:
+                    q.grad = torch.full_like(q, 0.01 * (step + 1)) + 0.001 * q.detach()
+                opt.step()
+            made[label] = (opt.defaults.get("fused"), [q.detach().clone() for q in params])
+    assert not made["loop"][0] and made["fused"][0] is True
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(made["loop"][1], made["fused"][1]))
+
+
+def test_the_wheel_lacks_the_dataset_helpers_makefile():
+    """initialize_megatron runs compile_helpers (make) on rank 0, which exits: the wheel has no
+    Makefile but ships helpers_cpp prebuilt; use_prebuilt_dataset_helpers skips the build."""
+    from megatron.core.datasets import utils
+
+    original = cpu_compat._state["originals"].get(("dataset_helpers", "compile_helpers"), utils.compile_helpers)
+    with pytest.raises(SystemExit):
+        original()
+    cpu_compat.use_prebuilt_dataset_helpers()
+    cpu_compat.use_prebuilt_dataset_helpers()  # idempotent
+    assert utils.compile_helpers() is None

@@ -1,10 +1,12 @@
-"""helpers.training: batch arithmetic, LR schedule, weight-decay groups, bad input, a real
-torchrun run whose loss falls, and kill-and-resume (SIGTERM and SIGKILL) that reproduces an
-uninterrupted run bit for bit on CPU."""
+"""Training with Megatron-LM's own loop (helpers.pretrain_gpt, launched by helpers.launch.train):
+the generated flags are Megatron-LM's, a real run's loss falls and everything is recorded,
+notebook 03's megatron-core loop (helpers.core_loop) gives the same weights bit for bit,
+kill-and-resume (SIGTERM and SIGKILL) reproduces an uninterrupted run bit for bit, the
+checkpoint converts to transformers exactly, and Megatron-LM's checks (NaN, a resume with
+another schedule) stop a run with their message."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -18,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import checkpointing, launch, metrics, optimizer, training, training_config
+from helpers import checkpointing, launch, megatron_args, metrics, run_guard, training_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
-                  vocab_size=1024, hidden_dropout=0.1, attention_dropout=0.1)
+                  vocab_size=1024)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def data(tmp_path_factory):
 
 
 def tiny_config(data, run_dir, **overrides) -> training_config.TrainingConfig:
-    """Dropout on (so RNG state matters for resume), 12 iterations of 2 micro-batches."""
+    """12 iterations of 2 micro-batches, a checkpoint every 4, an evaluation every 6."""
     base = dict(model=dict(TINY_MODEL), data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir),
                 split="90,8,2", micro_batch_size=4, global_batch_size=8, train_iters=12, lr_warmup_iters=2,
                 log_interval=1, eval_interval=6, eval_iters=2, save_interval=4)
@@ -47,57 +49,26 @@ def tiny_config(data, run_dir, **overrides) -> training_config.TrainingConfig:
 def test_num_microbatches_relates_global_micro_and_data_parallel():
     assert training_config.num_microbatches(192, 12, 8) == 2  # the guide: 8 GPUs -> accumulation 2
     assert training_config.num_microbatches(16, 8, 1) == 2
-    assert training_config.num_microbatches(16, 4, 4) == 1
-    with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by micro_batch_size x data_parallel_size = 4 x 1"):
+    with pytest.raises(ValueError, match="not divisible"):
         training_config.num_microbatches(10, 4, 1)
 
 
-def test_micro_batch_indices_follow_megatron_sampler():
-    # global batch of 8 = 2 micro-batches x 2 samples x 2 data-parallel ranks, starting at sample 16
-    assert training.micro_batch_indices(16, 2, 0, 2, 2) == [[16, 17], [20, 21]]
-    assert training.micro_batch_indices(16, 2, 1, 2, 2) == [[18, 19], [22, 23]]
-    every = sorted(i for r in range(2) for mb in training.micro_batch_indices(16, 2, r, 2, 2) for i in mb)
-    assert every == list(range(16, 24))
+def test_micro_batch_indices_follow_megatrons_sampler():
+    from helpers import dataloader
+
+    # global batch 8 = micro 2 x DP 2 x 2 accumulation steps, resuming at sample 16
+    assert dataloader.micro_batch_indices(16, 2, 1, 2, 2) == [[18, 19], [22, 23]]
+    assert dataloader.micro_batch_indices(0, 4, 0, 1, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_lr_schedule_is_linear_warmup_then_cosine_to_min():
-    cfg = replace(training_config.PROFILES["cpu"], train_iters=100, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10)
+    from helpers import optimizer
+
+    cfg = training_config.TrainingConfig(train_iters=100, lr_warmup_iters=10, lr=1e-3, min_lr=1e-4)
     lrs = optimizer.lr_schedule(cfg)
-    assert len(lrs) == 100 and lrs[0] == 0.0
-    assert math.isclose(lrs[5], 5e-4) and math.isclose(lrs[10], 1e-3)
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    assert math.isclose(lrs[55], 1e-4 + 0.5 * (1e-3 - 1e-4), rel_tol=1e-6)  # cosine half-way
-    assert lrs[-1] < 1.01e-4 + 1e-6
-
-
-def test_resumed_scheduler_follows_the_new_config_schedule():
-    """A rerun with more train_iters must follow lr_schedule(new cfg), not the checkpoint's decay length."""
-    old_cfg = training_config.TrainingConfig(train_iters=10, lr_warmup_iters=2, lr=1e-3, min_lr=1e-4)
-    new_cfg = replace(old_cfg, train_iters=20)
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=old_cfg.lr)
-    old = optimizer.build_scheduler(opt, old_cfg)
-    for _ in range(10):
-        old.step(1)
-    opt2 = torch.optim.SGD([{"params": [p], "wd_mult": 1.0}], lr=new_cfg.lr)
-    resumed = optimizer.build_scheduler(opt2, new_cfg)
-    resumed.load_state_dict(old.state_dict())
-    expected = optimizer.lr_schedule(new_cfg)
-    got = []
-    for _ in range(10):
-        got.append(opt2.param_groups[0]["lr"])
-        resumed.step(1)
-    assert got == pytest.approx(expected[10:])
-    assert got[0] > new_cfg.min_lr
-
-
-def test_evaluate_without_a_validation_set_is_skipped():
-    """split '1,0,0' passes check() and builds no valid dataset; evaluation used to crash with
-    TypeError: object of type 'NoneType' has no len() at iteration 0."""
-    from types import SimpleNamespace
-
-    trainer = SimpleNamespace(valid_ds=None, cfg=training_config.TrainingConfig(), model=None)
-    assert training.evaluate(trainer) is None
+    assert len(lrs) == 101 and lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
+    assert lrs[55] == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-6)  # cosine half-way
+    assert lrs[100] == pytest.approx(1e-4)
 
 
 def test_codeparrot_small_profile_is_the_guide():
@@ -106,15 +77,54 @@ def test_codeparrot_small_profile_is_the_guide():
             c.weight_decay, c.adam_beta2, c.clip_grad, c.seed, c.lr_decay_style, c.min_lr) == \
         (12, 192, 5e-4, 150_000, 150_000, 2000, 0.1, 0.999, 1.0, 1234, "cosine", 0.0)
     assert (c.log_interval, c.save_interval, c.eval_interval, c.eval_iters, c.split) == (10, 2000, 200, 10, "969,30,1")
-    assert training_config.num_microbatches(c.global_batch_size, c.micro_batch_size, 8) == 2
 
 
-def test_config_json_round_trip(tmp_path):
-    cfg = training_config.profile("cpu", str(tmp_path), model={"num_layers": 3})
-    again = training_config.TrainingConfig.from_json(cfg.to_json(tmp_path / "run.json"))
-    assert again == cfg and again.model.num_layers == 3
-    with pytest.raises(ValueError, match="unknown TrainingConfig keys"):
-        training_config.TrainingConfig.from_dict({"train_iter": 5})
+# --------------------------------------------------------------------------- the command line
+def _parse(argv: list[str]):
+    """Megatron-LM's own parser (``megatron.training.arguments.parse_args``) on ``argv``."""
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *argv]
+    try:
+        return parse_args()
+    finally:
+        sys.argv = saved
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["for-a-cpu", "for-gpus"])
+def test_every_generated_flag_is_megatron_lms_own(cpu, tmp_path):
+    """The flags parse with Megatron-LM's parser and carry the config's values (a wrong name would
+    fail to parse: argparse refuses unknown flags)."""
+    cfg = training_config.PROFILES["codeparrot-small"]
+    cfg = replace(cfg, run_dir=str(tmp_path), precision="fp32" if cpu else "auto")
+    args = _parse(megatron_args.arguments(cfg, cpu=cpu))
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (12, 768, 12, 1024)
+    assert (args.micro_batch_size, args.global_batch_size, args.lr, args.train_iters) == (12, 192, 5e-4, 150_000)
+    assert (args.lr_decay_style, args.lr_warmup_iters, args.weight_decay, args.split) == ("cosine", 2000, 0.1, "969,30,1")
+    assert (args.hidden_dropout, args.layernorm_epsilon, args.tokenizer_type) == (0.1, 1e-5, "HuggingFaceTokenizer")
+    assert args.save == args.load == str(cfg.checkpoint_path) and args.data_path == [str(cfg.data_prefix_path)]
+    assert args.bias_gelu_fusion is True and args.exit_signal_handler is True
+    assert (args.distributed_backend, args.transformer_impl, args.num_workers) == \
+        (("gloo", "local", 0) if cpu else ("nccl", "transformer_engine", 2))
+    tiny = replace(cfg, model=replace(cfg.model, bias_activation_fusion=False, share_embeddings_and_output_weights=False))
+    args = _parse(megatron_args.arguments(tiny, cpu=cpu))
+    assert args.bias_gelu_fusion is False and args.untie_embeddings_and_output_weights is True
+
+
+def test_the_flag_table_sets_the_guides_2022_command_beside_todays(tmp_path):
+    rows = megatron_args.flag_table(training_config.profile("cpu", str(tmp_path)), cpu=True)
+    by_flag = {r["today"]: r for r in rows if r["today"]}
+    assert by_flag["--num-layers"]["the guide (2022)"] == "--num-layers 12" and by_flag["--num-layers"]["change"] == "same"
+    assert by_flag["--tokenizer-type"]["the guide (2022)"].startswith("--vocab-file")
+    assert by_flag["--tokenizer-model"]["the guide (2022)"].startswith("--merge-file")
+    assert by_flag["--norm-epsilon"]["change"] == "new" and by_flag["--distributed-backend"]["change"] == "CPU only"
+    guide_flags = {r["the guide (2022)"].split()[0] for r in rows if r["the guide (2022)"]}
+    assert guide_flags == set(megatron_args.GUIDE_2022), "every flag of the guide has a row"
+    assert [r["the guide (2022)"] for r in rows if r["change"] == "not used"] == ["--fp16"]  # fp32 on a CPU
+    text = megatron_args.shell_command(training_config.profile("cpu", str(tmp_path)), script="pretrain_gpt.py", cpu=True)
+    assert text.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node=1 pretrain_gpt.py \\\n")
+    assert "    --num-layers 4 \\\n" in text and text.rstrip().endswith("--num-workers 0")
 
 
 # --------------------------------------------------------------------------- bad input
@@ -128,25 +138,35 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
         replace(cfg, pipeline_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=3 does not divide num_attention_heads"):
         replace(cfg, tensor_model_parallel_size=3, global_batch_size=4, micro_batch_size=4).check(world_size=3)
-    with pytest.raises(ValueError, match=r"lr=-0.001 must be positive"):  # blamed min_lr before
+    with pytest.raises(ValueError, match=r"lr=-0.001 must be positive"):
         replace(cfg, lr=-1e-3, min_lr=0.0).check()
     with pytest.raises(FileNotFoundError, match="no_such_prefix"):
         replace(cfg, data_prefix=str(tmp_path / "no_such_prefix")).check()
+    with pytest.raises(FileNotFoundError, match="pretrained_checkpoint=.*holds no checkpoint"):
+        replace(cfg, pretrained_checkpoint=str(tmp_path)).check()
     with pytest.raises(ValueError, match="max_position_embeddings"):
         training_config.profile("cpu", str(tmp_path), model={**TINY_MODEL, "seq_length": 128})
     with pytest.raises(ValueError, match="tokenizer .* has 1024 entries"):
         training_config.profile("cpu", str(tmp_path), model={**TINY_MODEL, "vocab_size": 2000},
-                         data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir, split=cfg.split).check()
-    with pytest.raises(ValueError, match="needs a CUDA GPU") if not torch.cuda.is_available() else _nothing():
-        replace(cfg, precision="bf16").check()
+                                data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir, split=cfg.split).check()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            replace(cfg, precision="bf16").check()
+    for bad, match in ((dict(lr=float("inf")), r"lr=inf is not a finite number"), (dict(lr=5.0), r"lr=5.0 is above 1"),
+                       (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
+                       (dict(model=replace(cfg.model, init_method_std=float("inf"))), r"model.init_method_std=inf")):
+        with pytest.raises(ValueError, match=match):
+            replace(cfg, **bad).check()
+    with pytest.raises(ValueError, match="choose one"):
+        replace(cfg, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True).check()
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def test_run_json_of_an_earlier_version_reads_without_its_retired_fields(tmp_path):
+    cfg = training_config.profile("cpu", str(tmp_path), model={"num_layers": 3})
+    old = {**cfg.to_dict(), "sample_interval": 200, "sample_prompt": "def ", "sample_tokens": 48, "use_megatron_ddp": True}
+    assert training_config.TrainingConfig.from_dict(old) == cfg
+    with pytest.raises(ValueError, match="unknown TrainingConfig keys"):
+        training_config.TrainingConfig.from_dict({"train_iter": 5})
 
 
 def test_port_in_use_is_a_clear_error(data, tmp_path):
@@ -161,12 +181,82 @@ def test_port_in_use_is_a_clear_error(data, tmp_path):
 
 
 # --------------------------------------------------------------------------- real runs
-def _start(config_path: Path, *extra: str) -> subprocess.Popen:
+def _losses(cfg) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"] for r in metrics.read_metrics(cfg.metrics_file)["iteration"]}
+
+
+def _weights(cfg, iteration: int) -> dict[str, torch.Tensor]:
+    tensors, _ = checkpointing.read_model_tensors(checkpointing.iteration_dir(cfg.checkpoint_path, iteration))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """The reference run, launched the notebook's way: Megatron-LM's loop under torchrun, through launch.train."""
+    cfg = tiny_config(data, tmp_path_factory.mktemp("run-a"))
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
+    return cfg, result
+
+
+def test_megatron_lms_loop_trains_and_records_everything(uninterrupted):
+    cfg, result = uninterrupted
+    s = result.summary
+    assert s["iterations"] == 12 and s["completed"] and s["parameters"] == cfg.model.to_metadata()["num_parameters"]
+    assert s["final_valid_loss"] < s["first_valid_loss"] - 0.05 and s["final_train_loss"] < 6.9  # ln(1024) = 6.93
+    assert s["optimizer"] == "torch.optim.AdamW(fused=True)" and s["precision"] == "fp32"
+    assert s["tokens_per_s"] > 0 and Path(s["checkpoint_path"]).name == "iter_0000012"
+    assert "Megatron-LM" in s["trained_by"]
+    per_iteration = result.metrics["iteration"]
+    assert [r["iteration"] for r in per_iteration] == list(range(1, 13))
+    assert all(math.isfinite(r["lm_loss"]) and math.isfinite(r["grad_norm"]) for r in per_iteration)
+    assert [r["iteration"] for r in result.metrics["train"]] == list(range(1, 13))
+    assert [(r["iteration"], r["when"]) for r in result.metrics["valid"]] == [(6, "during"), (12, "during"), (12, "end")]
+    assert [r["iteration"] for r in result.metrics["test"]] == [12]
+    assert any("iteration       12/      12 |" in line for line in result.log)  # Megatron-LM's own log line
+    assert checkpointing.latest_iteration(cfg.checkpoint_path) == 12
+    assert sorted(p.name for p in cfg.checkpoint_path.glob("iter_*")) == ["iter_0000004", "iter_0000008", "iter_0000012"]
+    meta = checkpointing.read_model_config(cfg.checkpoint_path)  # from the args Megatron-LM stored
+    assert meta["gelu"] == "erf" and meta["tied_embeddings"] is True and meta["padded_vocab_size"] == 1024
+    assert meta["vocab_size"] == 1024 and meta["iteration"] == 12 and meta["written_by"] == "Megatron-LM"
+    assert any(p.name.startswith("events.out.tfevents") for p in cfg.tensorboard_path.iterdir())
+    again = launch.train(cfg, nproc_per_node=1, progress=False)  # cached: nothing to do
+    assert again.skipped and again.summary == s
+    assert launch.train(replace(cfg, log_interval=3), progress=False).skipped  # logging changes no weights
+    with pytest.raises(ValueError, match=r"already holds a finished run \(train_iters=12\) trained with other "
+                                         r"settings \(lr: 0.002 -> 0.001\)"):
+        launch.train(replace(cfg, lr=1e-3), progress=False)
+
+
+def test_the_core_loop_of_notebook_03_trains_the_same_weights_bit_for_bit(uninterrupted):
+    """helpers.core_loop (notebook 03 section 5 as functions) against Megatron-LM's loop, same config:
+    the iteration-4 weights are bit-identical, and every loss agrees to one float32 rounding."""
+    from helpers import core_loop, distributed
+
+    cfg, _ = uninterrupted
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference run (OMP_NUM_THREADS=1): the reduction order depends on it
+    try:
+        loop = core_loop.setup(cfg)
+        mine = [core_loop.train_step(loop) for _ in range(4)]
+        weights = {k: p.detach().clone() for k, p in loop.model.module.named_parameters()}
+    finally:
+        distributed.destroy_distributed()
+        torch.set_num_threads(threads)
+    theirs = _weights(cfg, 4)
+    shared = [k for k in weights if k in theirs]
+    assert len(shared) >= 20 and all(torch.equal(weights[k], theirs[k]) for k in shared)
+    logged = _losses(cfg)
+    assert all(abs(m["lm_loss"] - logged[i + 1]) <= 5e-7 for i, m in enumerate(mine))
+
+
+def _start(cfg) -> subprocess.Popen:
+    """Megatron-LM's loop for ``cfg`` under torchrun, in its own process group, output piped."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "helpers.training", "--config", str(config_path), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=ROOT, start_new_session=True)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **megatron_args.ENV)
+    cmd = launch.torchrun_command([megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)], nproc_per_node=1,
+                                  master_port=launch.free_port())
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
 
 
 def _wait_for(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> list[str]:
@@ -190,92 +280,109 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 120) -> str:
     return out
 
 
-def _train_losses(cfg) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in metrics.read_metrics(cfg.metrics_file)["train"]}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
-    """The reference run, launched the notebook's way: torchrun through launch.train."""
-    cfg = tiny_config(data, tmp_path_factory.mktemp("run-a"))
-    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
-    return cfg, result
-
-
-def test_torchrun_training_loss_falls_and_records_everything(uninterrupted):
-    cfg, result = uninterrupted
-    s = result.summary
-    assert s["iterations"] == 12 and s["completed"] and s["parameters"] == cfg.model.to_metadata()["num_parameters"]
-    assert s["final_valid_loss"] < s["first_valid_loss"] - 0.1
-    assert s["optimizer"].startswith("torch.optim.AdamW") and s["precision"] == "fp32"
-    assert s["tokens_per_s"] > 0 and Path(s["checkpoint_path"]).name == "iter_0000012"
-    train = result.metrics["train"]
-    assert [r["iteration"] for r in train] == list(range(1, 13))
-    assert all(math.isfinite(r["grad_norm"]) and r["lr"] >= 0 for r in train)
-    assert [r["iteration"] for r in result.metrics["valid"]] == [0, 6, 12]
-    assert checkpointing.latest_iteration(cfg.checkpoint_path) == 12
-    assert sorted(p.name for p in cfg.checkpoint_path.glob("iter_*")) == ["iter_0000004", "iter_0000008", "iter_0000012"]
-    meta = checkpointing.read_model_config(cfg.checkpoint_path)
-    assert meta["gelu"] == "erf" and meta["tied_embeddings"] is True and meta["padded_vocab_size"] == 1024
-    assert any(p.name.startswith("events.out.tfevents") for p in cfg.tensorboard_path.iterdir())
-    again = launch.train(cfg, nproc_per_node=1, progress=False)  # cached: nothing to do
-    assert again.skipped and again.summary == s
-    assert launch.train(replace(cfg, log_interval=3), progress=False).skipped  # logging changes no weights
-    with pytest.raises(ValueError, match=r"already holds a finished run \(train_iters=12\) trained with other "
-                                         r"settings \(lr: 0.002 -> 0.001\)"):
-        launch.train(replace(cfg, lr=1e-3), progress=False)  # a breaker saw 03 show the old run as the new one's
-
-
 def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
-    """SIGTERM (saves, exits), SIGKILL (loses work since the last save), resume each time:
-    every logged loss equals the uninterrupted run's, and so does the final checkpoint."""
+    """SIGTERM (Megatron-LM's --exit-signal-handler saves, then exits), SIGKILL (loses the work since
+    the last save), resume each time (--load): every iteration's loss equals the uninterrupted
+    run's, and so does the final checkpoint, tensor for tensor."""
     ref_cfg, _ = uninterrupted
     cfg = tiny_config(data, tmp_path)
-    path = cfg.to_json(tmp_path / "run.json")
 
-    proc = _start(path)
-    _wait_for(proc, "saved checkpoint at iteration        4")
-    proc.send_signal(signal.SIGTERM)
+    proc = _start(cfg)
+    _wait_for(proc, "successfully saved checkpoint from iteration       4")
+    os.killpg(proc.pid, signal.SIGTERM)
     out = _finish(proc)
-    assert proc.returncode == 0, out
-    assert "exiting at iteration" in out and "on signal 15" in out
+    assert "exiting program after receiving SIGTERM" in out, out[-3000:]
     stopped = checkpointing.latest_iteration(cfg.checkpoint_path)
     assert 4 <= stopped < 12
 
-    proc = _start(path)
-    _wait_for(proc, f"resumed from checkpoint at iteration {stopped}")
+    proc = _start(cfg)
+    _wait_for(proc, f"loading distributed checkpoint from {cfg.checkpoint_path} at iteration {stopped}")
     _wait_for(proc, f"iteration {stopped + 2:8d}/")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    # torchrun's worker runs in a session of its own: it sees its launcher gone (run_guard.watch_launcher),
+    # saves at the end of its iteration and exits, freeing the run folder.
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            run_guard.check_run_folder_free(cfg.run_path)
+            break
+        except run_guard.RunFolderBusyError:
+            assert time.monotonic() < deadline, "the orphaned worker did not stop within 90 s"
+            time.sleep(0.5)
     killed_at = checkpointing.latest_iteration(cfg.checkpoint_path)
     assert killed_at >= stopped
 
-    proc = _start(path)
-    out = _finish(proc)
-    assert proc.returncode == 0, out
-    assert f"resumed from checkpoint at iteration {killed_at}" in out
-    assert _train_losses(cfg) == _train_losses(ref_cfg)  # bit-identical, every iteration
-    valid = lambda c: [(r["iteration"], r["lm_loss"]) for r in metrics.read_metrics(c.metrics_file)["valid"]]
-    assert valid(cfg) == valid(ref_cfg)
+    result = launch.train(cfg, progress=False, env={"OMP_NUM_THREADS": "1"})
+    assert any(f"at iteration {killed_at}" in line and "loading distributed checkpoint" in line for line in result.log)
+    assert _losses(cfg) == _losses(ref_cfg)  # bit-identical, every iteration (TensorBoard, the last launch's)
+    mine, theirs = _weights(cfg, 12), _weights(ref_cfg, 12)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
     # A different model shape refuses to resume and leaves the checkpoint untouched.
     before = {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")}
     wrong = replace(cfg, model=replace(cfg.model, hidden_size=128), train_iters=16)
     with pytest.raises(checkpointing.CheckpointMismatchError, match="hidden_size: checkpoint 64 vs config 128"):
         launch.train(wrong, progress=False)  # refused before any process starts
-    proc = _start(wrong.to_json(tmp_path / "wrong.json"))
-    out = _finish(proc)
-    assert proc.returncode != 0 and "different model shape" in out and "hidden_size" in out
     assert {p: p.stat().st_mtime_ns for p in cfg.checkpoint_path.rglob("*")} == before
+
+
+def test_the_checkpoint_converts_to_transformers_exactly(uninterrupted, tmp_path):
+    """Megatron-LM's torch_dist checkpoint, read from its args, through helpers.conversion: the
+    same logits (1e-5), the same greedy tokens and the same validation loss as megatron-core."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import conversion
+    from helpers.demos import conversion_proofs as proofs
+    from helpers.demos import generation
+
+    cfg, _ = uninterrupted
+    conv = conversion.convert_to_hf(cfg.checkpoint_path, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(conv.output_dir).eval()
+    gpt, meta = checkpointing.load_model(cfg.checkpoint_path)
+    tokens = proofs.validation_tokens(cfg.run_path, 2)
+    diff = (proofs.hf_logits(hf, tokens) - proofs.megatron_logits(gpt, tokens)[..., :meta["vocab_size"]]).abs().max()
+    assert diff < 1e-5
+    prompt = tokens[0, :8].tolist()
+    assert generation.greedy_generate(gpt, prompt, max_new_tokens=8)[8:] == generation.greedy_generate_hf(hf, prompt, 8)
+    val = proofs.compare_validation_loss(cfg.run_path, hf, gpt, iteration=12)
+    assert abs(val.hf_loss - val.megatron_loss) < 1e-5
+    assert abs(val.megatron_loss - val.training_loss) < 1e-5  # the batches Megatron-LM's evaluation at 12 read
+
+
+def test_megatron_lms_checks_stop_a_bad_run_with_their_message(uninterrupted, data, tmp_path):
+    """A loss that is NaN from the first step (an absurd initialisation) stops at Megatron-LM's
+    NaN check; a resume whose learning-rate schedule differs is refused by Megatron-LM unless
+    --override-opt_param-scheduler says to follow the new one."""
+    from helpers.launch import LaunchError
+
+    bad = tiny_config(data, tmp_path / "nan", model={**TINY_MODEL, "init_method_std": 1e30}, train_iters=2, lr_warmup_iters=1,
+                      save_interval=2, eval_interval=2)
+    with pytest.raises(LaunchError, match=r"found (NaN|Inf) in local forward loss calculation.*rerun state machine.*"
+                                          r"Fix: the loss is not finite"):
+        launch.train(bad, progress=False, timeout_s=300)
+    # Megatron-LM saved the step before the bad loss, for a diagnostic rerun, and stopped at iteration 1 of 2.
+    assert checkpointing.latest_iteration(bad.checkpoint_path) == 1
+
+    ref_cfg, _ = uninterrupted
+    longer = replace(ref_cfg, train_iters=16, run_dir=str(tmp_path / "longer"), checkpoint_dir=str(tmp_path / "ck"))
+    import shutil
+
+    shutil.copytree(ref_cfg.checkpoint_path, longer.checkpoint_path)
+    with pytest.raises(LaunchError, match=r"OptimizerParamScheduler: class input value 128 and checkpoint ?value 96 .*"
+                                          r"Fix: the checkpoint was trained with another learning-rate schedule"):
+        launch.train(longer, progress=False, timeout_s=300)
+    result = launch.train(replace(longer, override_opt_param_scheduler=True), progress=False, timeout_s=300)
+    assert result.summary["iterations"] == 16
 
 
 @pytest.mark.gpu
 def test_codeparrot_small_trains_on_cuda_in_bf16(data, tmp_path):
     """A few iterations of the guide's model on one GPU in bf16; prints tokens/s and MFU."""
     cfg = training_config.profile("codeparrot-small", str(tmp_path), model={"vocab_size": 1024},
-                           data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir),
-                           split="90,8,2", train_iters=6, log_interval=2, eval_interval=6, eval_iters=1,
-                           save_interval=None)
+                                  data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir),
+                                  split="90,8,2", train_iters=6, log_interval=2, eval_interval=6, eval_iters=1,
+                                  save_interval=None)
     result = launch.train(cfg, nproc_per_node=1, timeout_s=900, progress=False)
     s = result.summary
     assert s["precision"] == "bf16" and s["iterations"] == 6 and math.isfinite(s["final_train_loss"])
@@ -284,81 +391,3 @@ def test_codeparrot_small_trains_on_cuda_in_bf16(data, tmp_path):
     print(f"codeparrot-small bf16: {s['tokens_per_s']:.0f} tokens/s, MFU {mfu:.1%} of {peak} TFLOP/s, "
           f"optimizer {s['optimizer']}")
     assert 0 < mfu < 1
-
-
-@pytest.mark.slow
-def test_03_results_in_the_smoke_series(series_run):
-    """Notebook 03 in the series (smoke profile): trained, loss fell, checkpoint and figure exist."""
-    run_dir, _, summary = series_run
-    s = summary["03_training"]
-    assert s["iterations"] == 12 and s["final_valid_loss"] < s["first_valid_loss"]
-    assert s["parameters"] > 0 and s["flops_per_token"] > 6 * s["parameters"] * 0.5
-    assert s["optimizer"].startswith(("torch.optim.AdamW", "apex"))
-    assert Path(s["checkpoint_path"]).is_dir() and (Path(s["checkpoint_path"]) / "model_config.json").exists()
-    assert (Path(run_dir) / "figures" / "03_loss_and_lr.png").stat().st_size > 10_000
-    assert isinstance(s["greedy_sample"], str) and s["greedy_sample"].startswith("import os")
-    assert s["training_samples"] == 2  # sample_interval=6 in the smoke profile: iterations 6 and 12
-    # Section 5's loop in cells and the torchrun script: the same losses, bit for bit (1 process, fp32).
-    assert s["cells_vs_script_loss_difference"] == 0.0
-    assert s["cells_vs_script_grad_norm_difference"] == 0.0
-    assert s["cells_checkpoint_logits_identical"] is True
-
-
-def test_non_finite_or_absurd_floats_are_refused_before_anything_starts(data, tmp_path):
-    """-p lr=1e400 reads as inf; it used to pass every check and train to 'lm loss: NAN' (issue 13)."""
-    cfg = tiny_config(data, tmp_path)
-    for bad, match in ((dict(lr=float("inf")), r"lr=inf is not a finite number"),
-                       (dict(min_lr=float("nan")), r"min_lr=nan is not a finite number"),
-                       (dict(lr=5.0), r"lr=5.0 is above 1"), (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
-                       (dict(adam_eps=0.0), "adam_eps=0.0 must be positive"), (dict(clip_grad=-1.0), "clip_grad=-1.0 must be >= 0"),
-                       (dict(model=replace(cfg.model, init_method_std=float("inf"))), r"model.init_method_std=inf")):
-        with pytest.raises(ValueError, match=match):
-            replace(cfg, **bad).check()
-
-
-def test_a_non_finite_loss_or_grad_norm_stops_before_the_optimizer_step():
-    from types import SimpleNamespace
-
-    trainer = SimpleNamespace(iteration=41, grad_scaler=None)
-    training._stop_on_non_finite(trainer, 2.5, 1.0, 1e-3)  # finite: nothing happens
-    training._stop_on_non_finite(trainer, None, 1.0, 1e-3)  # not the last pipeline stage: no loss here
-    with pytest.raises(FloatingPointError, match=r"iteration 42: lm loss nan, grad norm 1.0 .*last checkpoint is intact"):
-        training._stop_on_non_finite(trainer, float("nan"), 1.0, 1e-3)
-    with pytest.raises(FloatingPointError, match=r"grad norm inf"):
-        training._stop_on_non_finite(trainer, 3.0, float("inf"), 1e-3)
-    training._stop_on_non_finite(SimpleNamespace(iteration=1, grad_scaler=object()), 3.0, float("inf"), 1e-3)  # fp16: the scaler skips
-
-
-def test_a_resume_with_another_lr_schedule_is_refused_unless_told_which_to_follow():
-    """Rerunning 03 with train_iters=400 stretched the cosine and the lr jumped from 2.0e-4 back to
-    1.1e-3 (issue 13); Megatron-LM refuses unless --override-opt_param-scheduler or
-    --use-checkpoint-opt_param-scheduler says which schedule to follow."""
-    old = training_config.TrainingConfig(train_iters=200, lr_warmup_iters=20)
-    saved = {"lr_schedule": old.lr_schedule_settings()}
-    assert training_config.check_resume_schedule(replace(old, seed=7), saved) is None  # same schedule
-    assert training_config.check_resume_schedule(old, {}) is None  # a checkpoint that records none
-    longer = replace(old, train_iters=400)
-    with pytest.raises(ValueError, match=r"lr_decay_iters 200 -> 400.*override_opt_param_scheduler=True.*"
-                                         r"use_checkpoint_opt_param_scheduler=True"):
-        training_config.check_resume_schedule(longer, saved)
-    assert training_config.check_resume_schedule(replace(longer, override_opt_param_scheduler=True), saved) is None
-    assert training_config.check_resume_schedule(replace(longer, use_checkpoint_opt_param_scheduler=True),
-                                                 saved) == old.lr_schedule_settings()
-    with pytest.raises(ValueError, match="choose one"):
-        replace(longer, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True).check()
-
-
-def test_samples_during_training_leave_the_losses_unchanged(uninterrupted, data, tmp_path):
-    """Issue 16: a sample every sample_interval iterations (temperature 0.8, top-k 50, its own
-    seeded generator), as nanoGPT prints them; the training RNG is untouched, so every loss
-    equals the run without samples, bit for bit."""
-    ref_cfg, _ = uninterrupted
-    cfg = tiny_config(data, tmp_path, sample_interval=6, sample_tokens=12)
-    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
-    samples = result.metrics["sample"]
-    assert [r["iteration"] for r in samples] == [6, 12]
-    assert all(r["text"].startswith("def ") and len(r["text"]) > len("def ") for r in samples)
-    assert any(line.startswith(" sample at iteration 6: 'def ") for line in result.log)
-    assert _train_losses(cfg) == _train_losses(ref_cfg)
-    with pytest.raises(ValueError, match="sample_interval=-1 must be >= 0"):
-        replace(cfg, sample_interval=-1).check()

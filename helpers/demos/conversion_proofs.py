@@ -258,26 +258,30 @@ def validation_tokens(run_dir: str | os.PathLike, num_samples: int = 2, *, confi
     Raises:
         FileNotFoundError: no ``run.json`` (train first: notebook 03).
     """
-    from helpers import training
+    from helpers import dataloader
 
-    _, valid_ds, _ = training.build_datasets(_run_config(run_dir, config_name))
+    _, valid_ds, _ = dataloader.build_run_datasets(_run_config(run_dir, config_name))
     return torch.stack([torch.as_tensor(valid_ds[i % len(valid_ds)]["tokens"]).long() for i in range(num_samples)])
 
 
 # =========================================================================== section 8: the same validation loss
 def validation_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], dataset, *, num_samples: int,
-                    micro_batch_size: int, vocab_size: int | None = None, progress: bool = False) -> float:
-    """LM loss (nats/token) over samples ``0..num_samples-1`` of a ``GPTDataset``, as training evaluates it.
+                    micro_batch_size: int, vocab_size: int | None = None, progress: bool = False,
+                    first_sample: int = 0) -> float:
+    """LM loss (nats/token) over samples ``first_sample ..`` ``first_sample + num_samples - 1`` of a
+    ``GPTDataset``, as Megatron-LM's ``evaluate`` computes it.
 
-    Mirrors ``helpers.training.evaluate`` (Megatron-LM ``evaluate``): micro-batches of
-    ``micro_batch_size`` consecutive samples, per micro-batch the loss-masked mean of the
-    token cross-entropy, then the mean over micro-batches.
+    Micro-batches of ``micro_batch_size`` consecutive samples; the loss-masked token
+    cross-entropy summed over all of them, divided by the number of tokens counted
+    (``pretrain_gpt.loss_func``'s ``[loss sum, tokens]``, summed by ``evaluate``).
 
     Args:
         logits_fn: ``tokens [b, s]`` -> logits ``[b, s, V']`` (megatron-core or transformers).
         dataset: a megatron-core ``GPTDataset`` (``tokens``, ``labels``, ``loss_mask``).
         num_samples: samples to evaluate (``eval_iters x global_batch_size``); must be a
             multiple of ``micro_batch_size``.
+        first_sample: where the evaluation starts in ``dataset`` (each evaluation of Megatron-LM's
+            loop reads the next ``eval_iters`` batches).
         vocab_size: use only the first ``vocab_size`` logit columns (drops padding columns);
             None keeps all, as megatron-core's own loss does.
 
@@ -292,8 +296,9 @@ def validation_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], dataset, 
 
     if num_samples < 1 or num_samples % micro_batch_size:
         raise ValueError(f"num_samples={num_samples} must be a positive multiple of micro_batch_size={micro_batch_size}")
-    losses = []
-    for start in tqdm(range(0, num_samples, micro_batch_size), desc="validation", disable=not progress):
+    total, count = 0.0, 0.0
+    for start in tqdm(range(first_sample, first_sample + num_samples, micro_batch_size), desc="validation",
+                      disable=not progress):
         samples = [dataset[i % len(dataset)] for i in range(start, start + micro_batch_size)]
         tokens, labels, mask = (torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask"))
         with torch.no_grad():
@@ -302,8 +307,9 @@ def validation_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], dataset, 
             logits = logits[..., :vocab_size]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.long().reshape(-1), reduction="none")
         mask = mask.float()
-        losses.append(((ce.view_as(mask) * mask).sum() / mask.sum().clamp(min=1)).item())
-    return sum(losses) / len(losses)
+        total += (ce.view_as(mask) * mask).sum().item()
+        count += mask.sum().item()
+    return total / max(count, 1.0)
 
 
 @dataclass
@@ -336,9 +342,11 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
     """Validation loss of the transformers model on exactly the batches training evaluated.
 
     Rebuilds the validation ``GPTDataset`` from the run's ``run.json``
-    (``helpers.training.build_datasets``: same split, seed, sequence length and index cache)
-    and evaluates the first ``eval_iters x global_batch_size`` samples in micro-batches of
-    ``micro_batch_size``, as ``helpers.training.evaluate`` does (:func:`validation_loss`).
+    (``helpers.dataloader.build_run_datasets``: same split, seed, sequence length and index
+    cache) and evaluates the ``eval_iters x global_batch_size`` samples Megatron-LM's loop read
+    for its evaluation at ``iteration`` (the ``k``-th evaluation, ``k = iteration // eval_interval``,
+    reads the ``k``-th block of that many samples), in micro-batches of ``micro_batch_size``, as
+    its ``evaluate`` does (:func:`validation_loss`).
 
     The transformers model has no padding columns, so its softmax runs over the real
     vocabulary; megatron-core's runs over the padded one. With padding, training's loss is
@@ -349,21 +357,29 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
         run_dir: the run folder (``run.json``, ``metrics.jsonl``, data).
         hf_model: the converted transformers model (eval mode).
         megatron_model: optional megatron-core ``GPTModel`` of the same checkpoint.
-        iteration: the checkpoint's iteration (its logged validation loss is returned);
-            default the last logged one.
+        iteration: the checkpoint's iteration, a multiple of ``eval_interval`` (its logged
+            validation loss is returned); default the last evaluation during training.
 
     Raises:
         FileNotFoundError: no ``run.json`` in ``run_dir`` (train with helpers.launch.train first).
         ValueError: the run's split has no validation part.
     """
-    from helpers import training
+    from helpers import dataloader
     from helpers.metrics import read_metrics
 
     cfg = _run_config(run_dir, config_name)
-    _, valid_ds, _ = training.build_datasets(cfg)
+    _, valid_ds, _ = dataloader.build_run_datasets(cfg)
     if valid_ds is None:
         raise ValueError(f"the run's split {cfg.split!r} has no validation part: nothing to compare")
-    kw = dict(num_samples=cfg.eval_iters * cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size)
+    valid = [r for r in read_metrics(cfg.metrics_file).get("valid", []) if r.get("when", "during") == "during"]
+    if iteration is None and valid:
+        iteration = valid[-1]["iteration"]
+    if iteration is None or iteration < cfg.eval_interval or iteration % cfg.eval_interval:
+        raise ValueError(f"iteration={iteration}: training evaluated every eval_interval={cfg.eval_interval} "
+                         "iterations; pass one of those")
+    per_eval = cfg.eval_iters * cfg.global_batch_size
+    kw = dict(num_samples=per_eval, micro_batch_size=cfg.micro_batch_size,
+              first_sample=(iteration // cfg.eval_interval - 1) * per_eval)
     vocab = hf_model.config.vocab_size
     hf_loss = validation_loss(lambda t: hf_logits(hf_model, t), valid_ds, progress=progress, **kw)
     mc_loss = mc_real = None
@@ -372,10 +388,7 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
         mc_loss = validation_loss(lambda t: megatron_logits(megatron_model, t), valid_ds, progress=progress, **kw)
         mc_real = validation_loss(lambda t: megatron_logits(megatron_model, t), valid_ds, vocab_size=vocab, **kw)
         padded = megatron_model.embedding.word_embeddings.weight.shape[0] - vocab
-    valid = read_metrics(cfg.metrics_file).get("valid", [])
-    if iteration is not None:
-        valid = [r for r in valid if r["iteration"] == iteration]
-    logged = valid[-1] if valid else None
+    logged = next((r for r in valid if r["iteration"] == iteration), None)
     return ValidationComparison(logged["lm_loss"] if logged else None, hf_loss, mc_loss, mc_real, kw["num_samples"],
                                 cfg.model.seq_length, logged["iteration"] if logged else iteration, padded)
 

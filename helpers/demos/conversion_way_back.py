@@ -1,10 +1,10 @@
 """Notebook 06 sections 12-13: the way back, transformers GPT-2 -> megatron-core checkpoint, and training on.
 
 :func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` folder as a torch_dist checkpoint
-in this series' layout (``helpers.conversion.hf_to_megatron_state_dict``, the weight map
-inverted, then ``helpers.checkpointing.model_from_checkpoint`` and ``save_checkpoint``), with a
-fresh AdamW and scheduler when given a training config; :func:`continuation_config` is the
-``TrainingConfig`` that continues pre-training from it. Command line::
+of the model (``helpers.conversion.hf_to_megatron_state_dict``, the weight map inverted, then
+``helpers.checkpointing.model_from_checkpoint`` and ``save_model``);
+:func:`continuation_config` is the ``TrainingConfig`` whose Megatron-LM run starts from it
+(``--pretrained-checkpoint``: the weights, a fresh optimizer, iteration 0). Command line::
 
     python -m helpers.demos.conversion_way_back HF_DIR CHECKPOINT_DIR [--iteration N] [--overwrite]
 
@@ -64,13 +64,11 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
                               make_vocab_size_divisible_by: int = 128) -> Path:
     """Write a transformers GPT-2 folder as a megatron-core torch_dist checkpoint (TP=1).
 
-    The checkpoint has this series' layout (``iter_NNNNNNN/``, ``model_config.json``,
-    ``latest_checkpointed_iteration.txt``). With ``training_config`` (a
-    ``helpers.training_config.TrainingConfig`` whose model matches) it also holds a fresh AdamW
-    state and LR scheduler built exactly as training builds them (``helpers.optimizer``), so
-    ``helpers.launch.train(training_config)`` with ``checkpoint_dir`` pointing here
-    continues pre-training from the transformers weights at iteration ``iteration``.
-    Without it the checkpoint holds the model only (for conversion and evaluation).
+    The checkpoint has Megatron's layout (``iter_NNNNNNN/``, ``latest_checkpointed_iteration.txt``)
+    and holds the model only, with a ``model_config.json`` that says what it is (it has no
+    Megatron-LM ``args``). Megatron-LM's loop starts from it with ``--pretrained-checkpoint``
+    (:func:`continuation_config`): the weights, a fresh optimizer and learning-rate schedule,
+    iteration 0; ``helpers.conversion`` converts it back.
 
     Must run in a process whose main module is import-guarded (a notebook, pytest, or
     ``python -m``): megatron-core's torch_dist writer spawns a helper process.
@@ -79,7 +77,8 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
         hf_dir: folder with ``config.json`` + weights of a ``GPT2LMHeadModel``, and
             optionally its tokenizer (recorded as ``tokenizer_dir`` when present).
         checkpoint_dir: the checkpoints folder to create.
-        training_config: optional ``TrainingConfig``; its ``model`` must equal the converted one.
+        training_config: optional ``TrainingConfig`` that will train from it: its ``model`` must
+            equal the converted one (checked here, before anything is written).
         iteration: iteration number of the checkpoint.
         overwrite: replace an existing checkpoint in ``checkpoint_dir``.
         make_vocab_size_divisible_by: Megatron's vocabulary padding multiple.
@@ -120,29 +119,22 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
     if (Path(hf_dir) / "vocab.json").is_file():
         meta["tokenizer_dir"] = str(Path(hf_dir).resolve())
     if training_config is not None:
-        from helpers import optimizer as optimizer_lib
-
-        optimizer = optimizer_lib.build_optimizer(model, training_config)
-        checkpointing.init_optimizer_state(optimizer)
-        scheduler = optimizer_lib.build_scheduler(optimizer, training_config)
-        state = checkpointing.sharded_state_dict(model, optimizer, scheduler, iteration=iteration,
-                                                 consumed_train_samples=0, layout=(1, 1, 1))
         meta["tokenizer_dir"] = str(training_config.tokenizer_path)
-    else:
-        state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
-        meta["model_only"] = True  # training resumes it with a fresh optimizer (helpers.training.load)
+    meta["model_only"] = True
     if overwrite and ckpt_dir.exists():
         shutil.rmtree(ckpt_dir)
-    return checkpointing.save_checkpoint(ckpt_dir, iteration, state, meta)
+    return checkpointing.save_model(model, ckpt_dir, iteration, meta)
 
 
 def continuation_config(run_dir: str | os.PathLike, out_dir: str | os.PathLike, train_iters: int, *,
-                        config_name: str = "run.json"):
+                        pretrained_checkpoint: str | os.PathLike | None = None, config_name: str = "run.json"):
     """A ``TrainingConfig`` that continues the run of ``run_dir`` for ``train_iters`` iterations in ``out_dir``.
 
-    Same model, data, batch sizes and validation batches as the original run; a constant
+    Same model, data, batch sizes and validation split as the original run; a constant
     learning rate equal to its ``min_lr`` (where its cosine ended); outputs (checkpoints,
-    metrics, TensorBoard) in ``out_dir``. Used with :func:`hf_to_megatron_checkpoint`.
+    metrics, TensorBoard) in ``out_dir``; the weights of ``pretrained_checkpoint`` (default
+    ``{out_dir}/from_transformers``, where :func:`hf_to_megatron_checkpoint` writes them) as
+    the start (Megatron-LM's ``--pretrained-checkpoint``).
 
     Raises:
         FileNotFoundError: no ``run.json`` in ``run_dir``.
@@ -159,7 +151,9 @@ def continuation_config(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.launch.train (notebook 03)")
     cfg = TrainingConfig.from_json(cfg_path)
     lr = cfg.min_lr if cfg.min_lr > 0 else cfg.lr * 0.1
-    return replace(cfg, run_dir=str(Path(out_dir).expanduser().resolve()), data_prefix=str(cfg.data_prefix_path),
+    out = Path(out_dir).expanduser().resolve()
+    start = Path(pretrained_checkpoint).expanduser().resolve() if pretrained_checkpoint else out / "from_transformers"
+    return replace(cfg, run_dir=str(out), pretrained_checkpoint=str(start), data_prefix=str(cfg.data_prefix_path),
                    tokenizer_dir=str(cfg.tokenizer_path), train_iters=train_iters, lr=lr, min_lr=lr, lr_warmup_iters=0,
                    lr_decay_iters=train_iters, lr_decay_style="constant", eval_interval=train_iters,
                    save_interval=train_iters, log_interval=max(1, min(cfg.log_interval, train_iters)), exit_interval=None,

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 def training_seconds(train_records: Sequence[Mapping[str, Any]], iterations: Sequence[int]) -> list[float]:
     """Seconds of training up to each of ``iterations``, from the train records of ``metrics.jsonl``.
 
-    Each record (``helpers.training.pretrain``) holds ``iteration`` and ``s_per_iter``, the mean
+    Each record (``helpers.metrics.from_megatron_lm``) holds ``iteration`` and ``s_per_iter``, the mean
     wall time of the iterations since the previous record (``log_interval`` of them; evaluation,
     samples and checkpoint saves are not counted). The time at iteration ``i`` is the sum of
     ``s_per_iter x iterations`` over the records up to ``i``; an ``i`` inside a logging interval

@@ -1,14 +1,14 @@
 """Launching a layout on many machines: per-node torchrun commands, Megatron-LM arguments, sbatch.
 
 Notebook 05, section 6 ("Past one machine: the multi-node launch": :func:`launch_plan`,
-:meth:`LaunchPlan.commands`, :func:`megatron_lm_args`, :func:`sbatch_script`) and section 4
+:meth:`LaunchPlan.commands`, :func:`sbatch_script`; the flags come from
+:mod:`helpers.megatron_args`) and section 4
 ("Training for real": every run of :func:`helpers.demos.layout_runs.run_layout` is the node-0
 command of a one-node :class:`LaunchPlan`); section 7 shows :func:`launch_plan` refusing a
 node count that does not match the layout.
 
 Sources: PyTorch "torchrun (Elastic Launch)" (static and c10d rendezvous); SLURM ``sbatch`` and
-``srun``; Megatron-LM ``megatron/training/arguments.py`` (``--tensor-model-parallel-size``,
-``--use-distributed-optimizer``, ``--recompute-*``); Narayanan et al. 2021
+``srun``; Megatron-LM ``examples/gpt3/train_gpt3_175b_distributed.sh``; Narayanan et al. 2021
 (arXiv:2104.04473) section 3.3 (TP inside a node).
 """
 
@@ -31,7 +31,7 @@ class LaunchPlan:
         layout: the parallel layout (its world size = nnodes x nproc_per_node).
         nnodes, nproc_per_node: machines and processes (GPUs) per machine.
         master_addr, master_port: the rendezvous (node 0's address and a free port on it).
-        target: the module and its arguments, e.g. ``["helpers.training", "--config", "run.json"]``.
+        target: the module and its arguments, e.g. ``["helpers.pretrain_gpt", "--num-layers", "12", ...]``.
     """
 
     layout: Layout
@@ -107,33 +107,6 @@ def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc
     return LaunchPlan(layout, nnodes, nproc_per_node, master_addr, int(port), tuple(target))
 
 
-def megatron_lm_args(layout: Layout, *, micro_batch_size: int, global_batch_size: int,
-                     distributed_optimizer: bool = False, recompute: str = "none",
-                     sequence_parallel: bool = False) -> list[str]:
-    """Megatron-LM ``pretrain_gpt.py`` arguments for a layout (DP is implied: world / (TP x PP)).
-
-    Raises:
-        ValueError: the global batch is not a multiple of micro-batch x DP; unknown recompute.
-    """
-    if global_batch_size % (micro_batch_size * layout.data_parallel_size):
-        raise ValueError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
-                         f"{micro_batch_size} x {layout.data_parallel_size}")
-    args = [f"--tensor-model-parallel-size {layout.tensor_model_parallel_size}",
-            f"--pipeline-model-parallel-size {layout.pipeline_model_parallel_size}",
-            f"--micro-batch-size {micro_batch_size}", f"--global-batch-size {global_batch_size}"]
-    if sequence_parallel:
-        args.append("--sequence-parallel")
-    if distributed_optimizer:
-        args.append("--use-distributed-optimizer")
-    if recompute == "selective":
-        args.append("--recompute-activations")
-    elif recompute == "full":
-        args.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    elif recompute != "none":
-        raise ValueError(f"recompute={recompute!r}: choose 'none', 'selective' or 'full'")
-    return args
-
-
 def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limit: str = "24:00:00",
                   partition: str | None = None, container_image: str | None = None,
                   workdir: str = "$SLURM_SUBMIT_DIR", rdzv_port: int = 29500) -> str:
@@ -166,6 +139,7 @@ def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limi
         "set -euo pipefail",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export OMP_NUM_THREADS=1",
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM's examples: communication kernels in issue order (TP)",
         f"cd {workdir}",
         "",
     ]

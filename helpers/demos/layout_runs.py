@@ -8,6 +8,8 @@ TP=1 model's initial weights every layout starts from), :func:`run_layout`,
 :func:`run_layout` refuses a layout before launching); section 8 (the TP=2 run's checkpoint
 for notebook 06).
 
+Each layout is Megatron-LM's training loop (``helpers.pretrain_gpt`` with the flags of
+:mod:`helpers.megatron_args`), started by a one-node :class:`helpers.demos.launch_plans.LaunchPlan`.
 Entry point (started by torchrun through :mod:`helpers.launch`)::
 
     python -m helpers.demos.layout_runs --config initial.json   # save the TP=1 initial weights
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from helpers.demos.launch_plans import launch_plan
+from helpers.launch import _ITERATION
 from helpers.model import Layout, ModelConfig, check_layout
 
 #: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
@@ -49,7 +52,8 @@ class LayoutRun:
         layout, name: the layout and its folder name under ``{run_dir}/parallelism``.
         losses: LM loss (nats/token) of iterations 1..train_iters, in order.
         s_per_iter: seconds per iteration as logged.
-        valid_losses: validation loss at iteration 0 and at the end.
+        valid_losses: validation loss at the end of training (Megatron-LM's evaluation, then the
+            one after training, which reads the next validation batches).
         wall_seconds: the torchrun job's wall time (imports, set-up, training, saving).
         command: the command executed; generated_command: the one
             :class:`helpers.demos.launch_plans.LaunchPlan` wrote.
@@ -86,8 +90,8 @@ def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_b
 
     The ``cpu`` training profile with the given model and batch, fp32, no dropout required but
     checked, the data of ``{run_dir}/data`` (notebook 01), a loss logged every iteration, one
-    validation batch at the start and the end, no intermediate checkpoints. Its own outputs go
-    to ``{run_dir}/parallelism/``.
+    validation batch at the end, no intermediate checkpoints. Its own outputs go to
+    ``{run_dir}/parallelism/``.
 
     Raises:
         ValueError: dropout is not 0 (per-rank dropout streams make layouts differ by design),
@@ -139,14 +143,11 @@ def _progress_handler(total: int, desc: str, progress: bool):
     bar = tqdm(total=total, desc=desc, unit="it") if progress else None
 
     def on_line(line: str) -> None:
-        s = line.strip()
-        if bar is not None and s.startswith("iteration "):
-            try:
-                bar.update(int(s.split()[1].split("/")[0]) - bar.n)
-            except (IndexError, ValueError):
-                pass
-            if "lm loss:" in s:
-                bar.set_postfix(loss=s.split("lm loss:")[1].split("|")[0].strip())
+        match = _ITERATION.search(line)
+        if bar is not None and match:
+            bar.update(int(match[1]) - bar.n)
+            if "lm loss:" in line:
+                bar.set_postfix(loss=line.split("lm loss:")[1].split("|")[0].strip())
 
     return bar, on_line
 
@@ -154,11 +155,12 @@ def _progress_handler(total: int, desc: str, progress: bool):
 def initial_checkpoint(base: Any, *, timeout_s: float = 600.0, progress: bool = True) -> Path:
     """Save the TP=1 model's initial weights once, as ``iter_0000000`` (cached).
 
-    Every layout of the comparison starts from this checkpoint, loaded and resharded by
-    ``dist_checkpointing`` into its own layout, so all start from identical weights. (From
-    scratch, a pipeline stage r > 0 seeds with seed + 100 r and initialises only its own layers,
-    as Megatron-LM's ``_set_random_seed`` does, so its layers differ from the TP=1 model's.)
-    One process: ``python -m helpers.demos.layout_runs --config ...``.
+    Every layout of the comparison starts from this checkpoint (Megatron-LM's
+    ``--pretrained-checkpoint``), loaded and resharded by ``dist_checkpointing`` into its own
+    layout, so all start from identical weights. (From scratch, a pipeline stage r > 0 seeds
+    with seed + 100 r and initialises only its own layers, as Megatron-LM's ``_set_random_seed``
+    does, so its layers differ from the TP=1 model's.) One process:
+    ``python -m helpers.demos.layout_runs --config ...``.
 
     Args:
         base: :func:`comparison_config`.
@@ -202,8 +204,9 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     Args:
         base: :func:`comparison_config`.
         layout: the layout; ``layout.world_size`` processes are started.
-        initial: ``"shared"``: start from :func:`initial_checkpoint` (made if missing);
-            ``"own"``: let the layout initialise its own weights (Megatron's per-stage seeds).
+        initial: ``"shared"``: start from :func:`initial_checkpoint` (made if missing;
+            ``--pretrained-checkpoint``); ``"own"``: let the layout initialise its own weights
+            (Megatron's per-stage seeds).
         checkpoint_dir: where to save (default ``{run_dir}/parallelism/<name>/checkpoints``).
         name: folder name (default ``layout.name``, plus ``_own_init`` for ``initial="own"``).
         timeout_s: wall-clock limit of the job (s); past it every process is killed.
@@ -217,7 +220,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         FileNotFoundError: the data of notebook 01 is missing.
         helpers.launch.LaunchError: a rank failed (named) or the job timed out.
     """
-    from helpers import checkpointing, launch, metrics
+    from helpers import checkpointing, launch, megatron_args, metrics
 
     if initial not in ("shared", "own"):
         raise ValueError(f"initial={initial!r}: choose 'shared' or 'own'")
@@ -230,6 +233,8 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
                   pipeline_model_parallel_size=layout.pipeline_model_parallel_size, checkpoint_dir=str(ckpt),
                   metrics_path=str(folder / "metrics.jsonl"),
                   tensorboard_dir=str(base.run_path.parent / "tensorboard" / f"{_NOTEBOOK}_{name}"))
+    if initial == "shared":
+        cfg = replace(cfg, pretrained_checkpoint=str(initial_checkpoint(base, timeout_s=timeout_s, progress=progress)))
     cfg.check(layout.world_size)
     config_path, result_path = folder / "run.json", folder / "layout_run.json"
     if config_path.exists() and json.loads(config_path.read_text()) != cfg.to_dict():
@@ -250,33 +255,23 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
             return replace(LayoutRun.from_dict(json.loads(result_path.read_text())), skipped=True)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.to_json(config_path)
-    linked = None
-    if initial == "shared" and latest is None:
-        init_dir = initial_checkpoint(base, timeout_s=timeout_s, progress=progress)
-        ckpt.mkdir(parents=True, exist_ok=True)
-        linked = checkpointing.iteration_dir(ckpt, 0)
-        if linked.is_symlink():
-            linked.unlink()
-        linked.symlink_to(checkpointing.iteration_dir(init_dir, 0), target_is_directory=True)
-        (ckpt / checkpointing.TRACKER_FILE).write_text("0\n")
-    plan = launch_plan(layout, ["helpers.training", "--config", str(config_path)])
+    plan = launch_plan(layout, [megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)])
     bar, on_line = _progress_handler(cfg.train_iters, layout.label, progress)
+    log_path = folder / "training.log"
     try:
         res = launch.torchrun(list(plan.target), nproc_per_node=plan.nproc_per_node, timeout_s=timeout_s,
-                              master_port=plan.master_port, env=launch_env(layout.world_size), on_line=on_line,
-                              log_path=folder / "training.log")
+                              master_port=plan.master_port, env={**megatron_args.ENV, **launch_env(layout.world_size)},
+                              on_line=on_line, log_path=log_path)
     finally:
         if bar is not None:
             bar.close()
     if res.command != plan.local_command():
         raise RuntimeError(f"executed {shlex.join(res.command)} but the plan generated {shlex.join(plan.local_command())}")
-    initial_link = checkpointing.iteration_dir(ckpt, 0)
-    if initial_link.is_symlink():  # the shared initial weights stay in {run_dir}/parallelism/initial only
-        initial_link.unlink()
-    metrics = metrics.read_metrics(cfg.metrics_file)
-    train = sorted(metrics["train"], key=lambda r: r["iteration"])
-    run = LayoutRun(layout=layout, name=name, losses=[r["lm_loss"] for r in train],
-                    s_per_iter=[r["s_per_iter"] for r in train], valid_losses=[r["lm_loss"] for r in metrics["valid"]],
+    records = metrics.from_megatron_lm(cfg, log_path.read_text(errors="replace"))
+    its = records["iteration"]
+    run = LayoutRun(layout=layout, name=name, losses=[r["lm_loss"] for r in its],
+                    s_per_iter=[r["s_per_iter"] for r in records["train"]],
+                    valid_losses=[r["lm_loss"] for r in records["valid"]],
                     wall_seconds=round(res.wall_seconds, 2), command=res.command,
                     generated_command=plan.local_command(), checkpoint_dir=str(ckpt), initial=initial)
     result_path.write_text(json.dumps(run.to_dict(), indent=2) + "\n")
@@ -357,13 +352,17 @@ def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
 
 # =========================================================================== torchrun entry points
 def _init_checkpoint_main(config: str) -> None:
-    """Build the TP=1 trainer (model, DDP, optimizer, scheduler) and save it at iteration 0."""
-    from helpers import distributed, training, training_config
+    """Build the TP=1 model with the run's seed, as Megatron-LM's loop does, and save its weights at iteration 0."""
+    from helpers import checkpointing, distributed, training_config
+    from helpers import model as model_lib
 
     cfg = training_config.TrainingConfig.from_json(config)
-    trainer = training.setup(cfg)
-    folder = training.save(trainer)
-    n = sum(p.numel() for p in trainer.bare_model.parameters())
+    distributed.initialize_distributed(1, 1, cfg.seed)
+    model = model_lib.build_model(cfg.model, layer_spec="local")
+    meta = {**cfg.model.to_metadata(1), "iteration": 0, "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1, "layer_spec": "local", "tokenizer_dir": str(cfg.tokenizer_path)}
+    folder = checkpointing.save_model(model, cfg.checkpoint_path, 0, meta)
+    n = sum(p.numel() for p in model.parameters())
     print(f"> saved the initial weights ({n:,} parameters) to {folder}", flush=True)
     distributed.destroy_distributed()
 

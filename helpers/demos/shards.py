@@ -147,14 +147,14 @@ def expected_tp_allreduces(layers_on_stage: int, first_stage: bool, last_stage: 
 
 def _shards_main(config: str, tp: int, pp: int, out: str) -> None:
     """Each rank: build the model, record its parameters (global layer numbers) and groups,
-    count TP all-reduces. The micro-batch goes through ``helpers.training.forward_step``, the
-    training loop's own ``forward_step``."""
+    count TP all-reduces. The micro-batch goes through a ``forward_step`` like
+    ``helpers.pretrain_gpt``'s (the same model call; the loss without Megatron-LM's NaN check)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from helpers import distributed, training, training_config
+    from helpers import distributed, training_config
 
     cfg = training_config.TrainingConfig.from_json(config)
     info = distributed.initialize_distributed(tp, pp, cfg.seed)
@@ -182,12 +182,17 @@ def _shards_main(config: str, tp: int, pp: int, out: str) -> None:
     batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "position_ids": torch.arange(s).repeat(b, 1),
              "loss_mask": torch.ones(b, s)}
 
+    def forward_step(data_iterator, gpt):
+        b_ = next(data_iterator)
+        out = gpt(b_["tokens"], b_["position_ids"], None, labels=b_["labels"])
+        return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
+
     allreduce = {}
     dist.all_reduce = counting_all_reduce
     try:
         for phase, forward_only in (("forward", True), ("forward_backward", False)):
             counts["n"] = 0
-            get_forward_backward_func()(forward_step_func=training.forward_step, data_iterator=iter([batch]),
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]),
                                         model=[model], num_microbatches=1, seq_length=s, micro_batch_size=b,
                                         forward_only=forward_only)
             allreduce[phase] = counts["n"]

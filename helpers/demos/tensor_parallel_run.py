@@ -50,7 +50,7 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
     ranks (any saved TP size loads), or initialises one randomly from ``model_config`` and
     ``seed``. Then optionally computes the logits of ``tokens`` (each rank holds a vocabulary
     slice; they are all-gathered over the tensor-parallel group) and saves the model in this TP
-    layout (``helpers.checkpointing.save_checkpoint``, with ``model_config.json``).
+    layout (``helpers.checkpointing.save_model``, with ``model_config.json``).
 
     Args:
         tensor_model_parallel_size: processes = TP size.
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         out_meta = {**meta, **cfg.to_metadata(args.tp), "iteration": iteration, "tensor_model_parallel_size": args.tp,
                     "pipeline_model_parallel_size": 1, "data_parallel_size": parallel_state.get_data_parallel_world_size(),
                     "layer_spec": "local", "checkpoint_format": "torch_dist"}
-        state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
-        folder = checkpointing.save_checkpoint(args.save, iteration, state, out_meta)
+        folder = checkpointing.save_model(model, args.save, iteration, out_meta)
         if rank == 0:
             print(f"> saved TP={args.tp} checkpoint to {folder}", flush=True)
     dist.barrier()
