@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers import results
+from helpers.megatron_lm import TRACKER_FILE, iteration_dir, iteration_of, latest_iteration  # noqa: F401 (Megatron's layout)
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_CONFIG_FILE = "model_config.json"
 #: Keys of a checkpoint that are training state, not the model.
 NON_MODEL_KEY_PREFIXES: tuple[str, ...] = ("optimizer.", "rng_state", "opt_param_scheduler")
@@ -45,36 +45,6 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointReadError(RuntimeError):
     """A checkpoint folder could not be read (damaged shard, missing keys); it is left untouched."""
-
-
-def iteration_dir(checkpoint_dir: str | os.PathLike, iteration: int) -> Path:
-    """``checkpoint_dir/iter_0000300`` for ``iteration=300`` (Megatron-LM's ``iter_%07d``)."""
-    return Path(checkpoint_dir) / f"iter_{iteration:07d}"
-
-
-def iteration_of(folder: str | os.PathLike) -> int | None:
-    """The iteration an ``iter_NNNNNNN`` folder holds (the inverse of :func:`iteration_dir`); None for another name."""
-    m = re.match(r"^iter_(\d+)$", Path(folder).name)
-    return int(m[1]) if m else None
-
-
-def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt``; None when there is none.
-
-    Raises:
-        ValueError: the tracker file does not hold an integer, or names a missing folder.
-    """
-    tracker = Path(checkpoint_dir) / TRACKER_FILE
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over") from None
-    if not iteration_dir(checkpoint_dir, iteration).is_dir():
-        raise ValueError(f"{tracker} names iteration {iteration} but {iteration_dir(checkpoint_dir, iteration)} is missing")
-    return iteration
 
 
 def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
@@ -113,6 +83,37 @@ def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None =
     return {**meta, "iteration": int(state.get("iteration", iteration)),
             "consumed_train_samples": args.get("consumed_train_samples"),
             "data_parallel_size": args.get("data_parallel_size")}
+
+
+def check_readable(folder: str | os.PathLike) -> None:
+    """Check, without loading a tensor, that every shard of a torch_dist ``iter_NNNNNNN`` folder is whole.
+
+    The folder's ``.metadata`` (torch.distributed.checkpoint's index, read with
+    ``helpers.megatron_lm``'s restricted unpickler) records the file, offset and length of every
+    stored item; a shard shorter than its last item is a partly copied or damaged file, which
+    Megatron-LM's loop would only report as a bare ``EOFError`` deep in its load.
+
+    Raises:
+        CheckpointReadError: a missing or short shard, or an unreadable ``.metadata`` (named, with the fix).
+    """
+    from helpers import megatron_lm
+
+    folder = Path(folder)
+    fix = (f"delete {folder.name} and its line in {TRACKER_FILE} (training resumes from the checkpoint before it, "
+           "or from scratch), or copy the folder again")
+    try:
+        storage = megatron_lm._dcp_reader(folder, True).read_metadata().storage_data
+    except (OSError, megatron_lm.ConversionError) as err:
+        raise CheckpointReadError(f"could not read the checkpoint {folder}: {err}. Fix: {fix}") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = (folder / name).stat().st_size if (folder / name).exists() else None
+        if have is None or have < size:
+            raise CheckpointReadError(
+                f"could not read the checkpoint {folder}: {name} {'is missing' if have is None else f'holds {have:,} bytes'}, "
+                f"its index (.metadata) expects {size:,}: a partly copied or damaged shard. Fix: {fix}")
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:

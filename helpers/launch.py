@@ -430,6 +430,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
         checkpointing.CheckpointMismatchError: the checkpoint folder holds another model shape.
+        checkpointing.CheckpointReadError: the checkpoint to resume from has a missing or short shard.
         run_guard.RunFolderBusyError: another job trains ``cfg.run_path`` (named in the message).
         ValueError: also when the folder holds a finished run trained with other settings.
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
@@ -451,6 +452,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         if (cfg.run_path / config_name).exists():  # a cached result must be this config's
             check_same_run(cfg, json.loads((cfg.run_path / config_name).read_text()))
         return TrainingResult(json.loads(summary_path.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
+    if latest is not None:  # about to resume from it: every shard whole (Megatron-LM would say only "EOFError")
+        checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))
     preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
     cfg.to_json(cfg.run_path / config_name)
     log_path = cfg.run_path / "training.log"

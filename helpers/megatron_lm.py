@@ -80,8 +80,41 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers import checkpointing
 from helpers.model import ModelConfig
+
+#: Megatron-LM's marker of the last complete save (``megatron/training/checkpointing.py``).
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(checkpoint_dir: str | os.PathLike, iteration: int) -> Path:
+    """``checkpoint_dir/iter_0000300`` for ``iteration=300`` (Megatron-LM's ``iter_%07d``)."""
+    return Path(checkpoint_dir) / f"iter_{iteration:07d}"
+
+
+def iteration_of(folder: str | os.PathLike) -> int | None:
+    """The iteration an ``iter_NNNNNNN`` folder holds (the inverse of :func:`iteration_dir`); None for another name."""
+    m = re.match(r"^iter_(\d+)$", Path(folder).name)
+    return int(m[1]) if m else None
+
+
+def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
+    """The iteration named by ``latest_checkpointed_iteration.txt``; None when there is none.
+
+    Raises:
+        ValueError: the tracker file does not hold an integer, or names a missing folder.
+    """
+    tracker = Path(checkpoint_dir) / TRACKER_FILE
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over") from None
+    if not iteration_dir(checkpoint_dir, iteration).is_dir():
+        raise ValueError(f"{tracker} names iteration {iteration} but {iteration_dir(checkpoint_dir, iteration)} is missing")
+    return iteration
+
 
 MODEL_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
@@ -210,15 +243,15 @@ def load_pickle(file: str | os.PathLike | io.BytesIO, *, weights_only: bool = Tr
 # =========================================================================== finding the checkpoint
 def _tracker_target(folder: Path, iteration: int | None) -> tuple[Path, int | None] | None:
     """The folder ``latest_checkpointed_iteration.txt`` names (an integer or ``release``, Megatron-LM ``read_metadata``)."""
-    tracker = folder / checkpointing.TRACKER_FILE
+    tracker = folder / TRACKER_FILE
     if iteration is not None:
-        return checkpointing.iteration_dir(folder, iteration), iteration
+        return iteration_dir(folder, iteration), iteration
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
     if text == "release":
         return folder / "release", None
-    return (checkpointing.iteration_dir(folder, int(text)), int(text)) if text.isdigit() else None
+    return (iteration_dir(folder, int(text)), int(text)) if text.isdigit() else None
 
 
 def _rank_dirs(folder: Path) -> list[Path]:
@@ -245,18 +278,18 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
         if p.name != MODEL_FILE:
             return None
         folder = p.parent.parent if p.parent.name.startswith("mp_rank_") else None
-        return (folder, checkpointing.iteration_of(folder), "torch") if folder else (p, checkpointing.iteration_of(p.parent), "torch")
+        return (folder, iteration_of(folder), "torch") if folder else (p, iteration_of(p.parent), "torch")
     if not p.is_dir():
         return None
     if _rank_dirs(p):
-        return p, checkpointing.iteration_of(p), "torch"
+        return p, iteration_of(p), "torch"
     target = _tracker_target(p, iteration)
     if target is None:
         return None
     folder, it = target
     if not folder.is_dir():
         if folder.name == "release" or _rank_dirs(folder.parent):
-            raise FileNotFoundError(f"{p}: {checkpointing.TRACKER_FILE} names {folder.name}, which is missing")
+            raise FileNotFoundError(f"{p}: {TRACKER_FILE} names {folder.name}, which is missing")
         return None
     if _rank_dirs(folder):
         return folder, it, "torch"

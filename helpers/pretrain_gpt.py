@@ -41,7 +41,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from helpers import cpu_compat, dataloader, run_guard
+from helpers import checkpointing, cpu_compat, dataloader, run_guard
 
 cpu_compat.apply()  # no-op with CUDA; on a CPU: megatron-core's and megatron.training's CUDA-only calls
 cpu_compat.use_prebuilt_dataset_helpers()
@@ -140,12 +140,15 @@ def main() -> int:
 
     Raises:
         ValueError: ``--split`` leaves a part without documents (named, with a split that works).
+        checkpointing.CheckpointReadError: the checkpoint ``--load`` resumes from has a missing or short shard.
         run_guard.RunFolderBusyError: another job trains into the folder above ``--save``.
     """
     run_guard.fork_checkpoint_queue()  # before watch_launcher's thread: see its docstring
     run_guard.watch_launcher()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     _check_split(args)
+    if args.load and (latest := checkpointing.latest_iteration(args.load)) is not None:  # a whole checkpoint to resume
+        checkpointing.check_readable(checkpointing.iteration_dir(args.load, latest))
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     run_folder = Path(args.save).resolve().parent if args.save else None
     with run_guard.run_folder_lock(run_folder, enabled=run_folder is not None and int(os.environ.get("RANK", "0")) == 0):

@@ -112,7 +112,7 @@ KNOWN: tuple[KnownMessage, ...] = (
         "gptmodel_deprecated", r"GPTModel IS DEPRECATED", "log",
         "megatron-core models/gpt/gpt_model.py:121",
         "megatron-core asks new work to use HybridModel; the series teaches GPTModel, the model of "
-        "the reference guide (notebook 03, section 'GPTModel and HybridModel' says why)",
+        "the reference guide (notebook 03, section 3, says why)",
         logger="megatron.core.models.gpt.gpt_model"),
     KnownMessage(
         "mcore_async_save_deprecated", r"MCore's async save is deprecated", "log",

@@ -57,7 +57,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     # same model 12x longer (about one epoch of the corpus), notebook 07 scores each checkpoint
     "cpu-long": {
         "03_training": {"train_iters": 12000, "lr_warmup_iters": 500, "eval_interval": 1000, "save_interval": 2000,
-                        "sample_interval": 2000, "log_interval": 100, "timeout_s": 5400},
+                        "log_interval": 100, "timeout_s": 5400},
     },
     # one GPU, the guide's 110M model (helpers.training_config.PROFILES["gpu"]) on a corpus of every
     # package's files (up to 1,000 each) so that 197M training tokens repeat it a few times, not thousands
@@ -68,7 +68,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024, "dropout": 0.1,
             "micro_batch_size": 8, "global_batch_size": 64, "train_iters": 3000, "lr": 6e-4, "min_lr": 6e-5,
             "lr_warmup_iters": 300, "log_interval": 50, "eval_interval": 500, "eval_iters": 10, "save_interval": 1000,
-            "sample_interval": 500, "timeout_s": 7200,
+            "timeout_s": 7200,
         },
     },
     "codeparrot-small": {
@@ -88,7 +88,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "03_training": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
                         "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 12, "lr_warmup_iters": 2,
                         "log_interval": 2, "eval_interval": 6, "eval_iters": 2, "save_interval": 6,
-                        "sample_tokens": 8, "sample_interval": 6, "timeout_s": 300},
+                        "sample_tokens": 8, "timeout_s": 300},
         "04_fused_kernels": {"micro_batch_size": 2, "num_threads": 1, "warmup": 1, "repeats": 5, "copy_mib": 32,
                              "matmul_n": 256, "adamw_check_steps": 3, "adamw_repeats": 5,
                              "step_micro_batch_size": 1, "step_repeats": 3},

@@ -311,7 +311,7 @@ def test_tp2_checkpoint_converts_to_the_same_model_as_tp1(tmp_path, tokenizer_di
     cfg = tiny(num_attention_heads=6, share_embeddings_and_output_weights=False)
     model = randomized_model(cfg, seed=8)
     meta = {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir), "tensor_model_parallel_size": 1}
-    checkpointing.save_checkpoint(tmp_path / "tp1", 4, {"model": model.sharded_state_dict()}, meta)
+    checkpointing.save_model(model, tmp_path / "tp1", 4, meta)
     ids = tokens(seed=12)
     run = tensor_parallel_run.run_tensor_parallel(2, load=tmp_path / "tp1", tokens=ids, save=tmp_path / "tp2", on_line=None)
     assert run.saved.name == "iter_0000004"
@@ -461,19 +461,27 @@ def test_continuation_starts_from_the_transformers_weights(trained_run, tmp_path
         conversion_way_back.continuation_config(run, tmp_path / "x", 0)
 
 
-def test_a_model_only_checkpoint_resumes_with_a_fresh_optimizer_and_another_schedule_is_refused(trained_run, tmp_path):
-    """The way back without a training config writes weights only; resuming it died inside
-    megatron-core with KeyError 'optimizer.state.exp_avg...' (issue 13)."""
-    from helpers import launch
-    from helpers.training_config import TrainingConfig
+def test_megatron_lms_loop_starts_from_the_way_back_with_the_transformers_weights(trained_run, tmp_path):
+    """The way back writes the weights only; Megatron-LM's loop starts from them with --pretrained-checkpoint
+    (a fresh optimizer, iteration 0): its first loss, before any update, is the transformers model's on the
+    same training samples (notebook 06, section 13)."""
+    from helpers import dataloader, launch
 
     run, ckpt_dir, _ = trained_run
     hf_dir = conversion.convert_to_hf_cached(ckpt_dir, tmp_path / "hf").output_dir
-    cont = conversion_way_back.continuation_config(run, tmp_path / "model_only", 2)
-    conversion_way_back.hf_to_megatron_checkpoint(hf_dir, cont.checkpoint_path)  # no training_config: model only
-    assert checkpointing.read_model_config(cont.checkpoint_path)["model_only"] is True
+    cont = conversion_way_back.continuation_config(run, tmp_path / "continued", 2)
+    assert cont.pretrained_checkpoint == str(tmp_path / "continued" / "from_transformers")
+    conversion_way_back.hf_to_megatron_checkpoint(hf_dir, cont.pretrained_checkpoint, training_config=cont)
+    assert checkpointing.read_model_config(cont.pretrained_checkpoint)["model_only"] is True
     out = launch.train(cont, timeout_s=600, progress=False)
-    assert out.summary["iterations"] == 2 and any("holds model weights only" in line for line in out.log)
-    original = TrainingConfig.from_json(run / "run.json")
-    with pytest.raises(ValueError, match=r"lr_decay_iters 6 -> 8.*Nothing was loaded"):
-        launch.train(dataclasses.replace(original, train_iters=8, lr_decay_iters=8), progress=False)
+    assert out.summary["iterations"] == 2 and checkpointing.latest_iteration(cont.checkpoint_path) == 2
+    assert any("attempting to finetune with checkpoint in" in line for line in out.log)  # Megatron-LM's own words
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    start, _ = checkpointing.load_model(cont.pretrained_checkpoint)  # the way back's weights, padded rows included
+    train_ds = dataloader.build_run_datasets(cont)[0]
+    kw = dict(num_samples=cont.global_batch_size, micro_batch_size=cont.micro_batch_size)
+    hf_loss = proofs.validation_loss(lambda t: proofs.hf_logits(hf, t), train_ds, **kw)
+    mc_loss = proofs.validation_loss(lambda t: proofs.megatron_logits(start, t), train_ds, **kw)
+    mc_real = proofs.validation_loss(lambda t: proofs.megatron_logits(start, t), train_ds, vocab_size=VOCAB, **kw)
+    assert abs(out.metrics["iteration"][0]["lm_loss"] - mc_loss) < 1e-5  # Megatron-LM's iteration 1: those weights
+    assert abs(hf_loss - mc_real) < 1e-5  # and transformers scores them alike over the real vocabulary

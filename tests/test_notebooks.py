@@ -97,7 +97,9 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     assert "none" in shown[0]
     summary = dict(optimizer="adamw", tokens_per_s=1.0, first_valid_loss=None, final_valid_loss=None, iterations=1,
                    final_train_loss=1.0, checkpoint_path="c")
-    env03 = dict(results=results, run_dir=str(tmp_path), NOTEBOOK="x", timeout_s=1, nproc=1, cfg=None, max_epochs=16.0,
+    (tmp_path / "training.log").write_text("")
+    env03 = dict(results=results, run_dir=str(tmp_path), NOTEBOOK="x", timeout_s=1, nproc=1, max_epochs=16.0,
+                 cfg=SimpleNamespace(run_path=tmp_path),
                  launch=SimpleNamespace(train=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True)))
     exec(_cell_with(nb_dir / "03_training.ipynb", "run = launch.train(cfg"), env03)
 

@@ -236,22 +236,25 @@ def test_launch_plan_node_commands_and_the_local_one():
         launch_plans.launch_plan(Layout(16, 1, 1), ["x"], nnodes=2, master_port=1)
 
 
-def test_sbatch_script_and_megatron_args():
-    plan = launch_plans.launch_plan(Layout(2, 2, 4), ["helpers.training", "--config", "run.json"], nnodes=2,
-                                    master_port=29500)
+def test_sbatch_script_runs_megatron_lms_loop_with_its_flags(tmp_path):
+    from dataclasses import replace
+
+    from helpers import megatron_args, training_config
+
+    cfg = replace(training_config.PROFILES["gpu"], run_dir=str(tmp_path), tensor_model_parallel_size=2,
+                  pipeline_model_parallel_size=2)
+    plan = launch_plans.launch_plan(Layout(2, 2, 4), [megatron_args.SCRIPT[1], *megatron_args.arguments(cfg, cpu=False)],
+                                    nnodes=2, master_port=29500)
     script = launch_plans.sbatch_script(plan, job_name="gpt", partition="gpu",
                                         container_image="nvcr.io/nvidia/pytorch:26.09-py3")
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --partition=gpu", "--rdzv_endpoint=$HEAD_NODE:29500", "--rdzv_id=$SLURM_JOB_ID",
-                 "--container-image=nvcr.io/nvidia/pytorch:26.09-py3", "\n    -m helpers.training --config run.json\n"):
+                 "--container-image=nvcr.io/nvidia/pytorch:26.09-py3", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+                 "\n    -m helpers.pretrain_gpt --num-layers 12 --hidden-size 768",
+                 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"):
         assert line in script, line
-    args = launch_plans.megatron_lm_args(Layout(2, 2, 4), micro_batch_size=2, global_batch_size=64,
-                                         distributed_optimizer=True, recompute="selective")
-    assert args[:2] == ["--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"]
-    assert "--use-distributed-optimizer" in args and "--recompute-activations" in args
-    with pytest.raises(ValueError, match="global_batch_size=12"):
-        launch_plans.megatron_lm_args(Layout(1, 1, 8), micro_batch_size=1, global_batch_size=12)
+    assert "--distributed-backend" not in script and "--use-cpu-initialization" not in script  # GPU flags only
 
 
 def _run(name, losses, wall=10.0):

@@ -156,7 +156,7 @@ def test_gpu_is_the_default_profile_with_a_gpu_and_matches_its_training_profile(
     runner = series.PROFILES["gpu"]["03_training"]
     cfg = training_config.PROFILES["gpu"]
     for name in ("micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters",
-                 "eval_interval", "eval_iters", "save_interval", "sample_interval", "log_interval"):
+                 "eval_interval", "eval_iters", "save_interval", "log_interval"):
         assert runner[name] == getattr(cfg, name), name
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         assert runner[name] == getattr(cfg.model, name) == getattr(model.PROFILES["codeparrot-small"], name), name

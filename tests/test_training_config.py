@@ -1,8 +1,7 @@
-"""helpers.training_config: what TrainingConfig.check() and check_resume_schedule refuse, without training."""
+"""helpers.training_config: what TrainingConfig.check() refuses, without training."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +18,8 @@ CFG = training_config.TrainingConfig()
     (dict(global_batch_size=True), r"^global_batch_size=True is a bool, not int"),
     (dict(save_interval=2.5), r"^save_interval=2.5 is a float, not int \| None \(e.g. 250\)"),
     (dict(lr="1e-3"), r"^lr='1e-3' is a str, not float"),
-    (dict(use_megatron_ddp="false"), r"^use_megatron_ddp='false' is a str, not bool"),
+    (dict(override_opt_param_scheduler="false"), r"^override_opt_param_scheduler='false' is a str, not bool"),
+    (dict(pretrained_checkpoint=3), r"^pretrained_checkpoint=3 is a int, not str \| None"),
     (dict(model=replace(CFG.model, num_layers=2.0)), r"^model.num_layers=2.0 is a float, not int \(e.g. 4\)"),
 ])
 def test_fields_of_another_type_are_refused_naming_the_field(bad, match):
@@ -42,19 +42,3 @@ def test_a_non_finite_split_weight_is_refused_by_check(tmp_path, monkeypatch, sp
     monkeypatch.setattr(dataloader, "_sequence_lengths", lambda _: np.full(100, 5))
     with pytest.raises(ValueError, match=rf"^split={split!r}: the weights \['{split.split(',')[0]}'\] are not plain"):
         replace(CFG, data_prefix=str(prefix), split=split).check()
-
-
-def test_a_partial_saved_schedule_is_refused_with_use_checkpoint_opt_param_scheduler():
-    """load() read schedule['lr_decay_iters'] and died in a KeyError when the saved lr_schedule lacked it,
-    or rebuilt a schedule from this run's values for the keys it lacked."""
-    run = replace(CFG, train_iters=400, use_checkpoint_opt_param_scheduler=True)
-    for partial, missing in (({"lr": 2e-3, "min_lr": 2e-4}, "['lr_warmup_iters', 'lr_decay_iters', 'lr_decay_style']"),
-                             ({"lr_decay_iters": 200}, "['lr', 'min_lr', 'lr_warmup_iters', 'lr_decay_style']")):
-        with pytest.raises(ValueError, match=rf"records no {re.escape(missing)} .*override_opt_param_scheduler"
-                                             r"=True .*new run folder"):
-            training_config.check_resume_schedule(run, {"lr_schedule": partial})
-    saved = {**CFG.lr_schedule_settings(), "note": "written by a later version"}
-    assert training_config.check_resume_schedule(run, {"lr_schedule": saved}) == CFG.lr_schedule_settings()
-    assert training_config.check_resume_schedule(CFG, {"lr_schedule": saved}) is None  # same schedule, one key more
-    override = replace(run, use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
-    assert training_config.check_resume_schedule(override, {"lr_schedule": {"lr": 2e-3}}) is None

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from helpers.memory import (BYTES_PER_PARAMETER, MemoryEstimate, activation_bytes_per_layer, memory_per_gpu,
-                            parameters_per_rank)
+from helpers.memory import (BYTES_PER_PARAMETER, MemoryEstimate, activation_bytes_per_layer, megatron_lm_estimate,
+                            memory_per_gpu, parameters_per_rank)
 from helpers.model import PROFILES as MODEL_PROFILES
 from helpers.model import Layout, ModelConfig
 
-__all__ = ["BYTES_PER_PARAMETER", "MODEL_SHAPES", "MemoryEstimate", "activation_bytes_per_layer", "memory_per_gpu",
-           "memory_table", "parameters_per_rank", "plot_memory"]
+__all__ = ["BYTES_PER_PARAMETER", "MODEL_SHAPES", "MemoryEstimate", "activation_bytes_per_layer", "megatron_lm_estimate",
+           "memory_per_gpu", "memory_table", "parameters_per_rank", "plot_memory"]
 
 #: GPT shapes for the memory calculator. ``codeparrot-small`` is the guide's 110M model;
 #: ``gpt-1.3b`` and ``gpt-7b`` are GPT-3 XL and GPT-3 6.7B (Brown et al. 2020, table 2.1);
