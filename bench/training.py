@@ -10,13 +10,13 @@ measured), optimizer settings (fused AdamW, the profile's lr, weight decay 0.1 w
 on biases and LayerNorm, clip 1.0), fp32 on CPU. The parent builds one ``TrainingConfig``
 and hands it to every run:
 
-* ``megatron``: :func:`helpers.training.setup` + :func:`helpers.training.train_step` (GPTModel
-  with the local layer spec, megatron-core DDP, ``get_forward_backward_func`` schedule,
-  ``OptimizerParamScheduler``), the loop notebook 03 runs;
-* ``megatron_unfused`` (with ``--with-unfused-attention``): the same loop with megatron-core's
-  own op-by-op ``DotProductAttention`` (``core_attention="unfused"``) instead of the series'
-  default fused SDPA attention (:class:`helpers.attention.SDPAttention`), to show what the
-  kernel choice is worth in a whole step;
+* ``megatron``: :func:`helpers.core_loop.setup` + :func:`helpers.core_loop.train_step` (GPTModel
+  with the local layer spec and megatron-core's own ``DotProductAttention``, megatron-core DDP,
+  ``get_forward_backward_func`` schedule, ``get_megatron_optimizer``, ``OptimizerParamScheduler``),
+  notebook 03's loop, whose losses equal Megatron-LM's own loop's;
+* ``megatron_sdpa`` (with ``--with-sdpa-attention``): the same loop with torch's fused attention
+  kernel (``core_attention="sdpa"``, :class:`helpers.attention.SDPAttention`) in the local spec's
+  core-attention slot, to show what the kernel choice is worth in a whole step;
 * ``trainer``: ``transformers.Trainer`` + ``GPT2LMHeadModel`` (``sdpa`` attention by
   default, ``--hf-attention eager`` for the unfused path), the labels given as
   ``shift_labels`` so both sides predict the same ``seq_length`` tokens per sample.
@@ -52,7 +52,7 @@ from bench import common
 from helpers import preflight
 
 OUT_DIR = "bench_training"
-SIDES = ("megatron", "megatron_unfused", "trainer")
+SIDES = ("megatron", "megatron_sdpa", "trainer")
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, 0..1).
@@ -121,34 +121,35 @@ def _set_threads(threads: int) -> None:
 def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> dict[str, Any]:
     import torch
 
-    from helpers import distributed, training
+    from helpers import core_loop, distributed
+    from helpers.training_config import resolve_precision
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
     if core_attention is not None:
         cfg = replace(cfg, model=replace(cfg.model, core_attention=core_attention))
     t0 = time.perf_counter()
-    trainer = training.setup(cfg)
+    loop = core_loop.setup(cfg)
     setup_s = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in trainer.bare_model.parameters())
+    n_params = sum(p.numel() for p in loop.model.module.parameters())
     ends, losses = [], []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(cfg.train_iters):
-        out = training.train_step(trainer)
+        out = core_loop.train_step(loop)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
         losses.append(out["lm_loss"])
     gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    optimizer = f"{type(loop.optimizer.optimizer).__module__}.{type(loop.optimizer.optimizer).__name__}"
     distributed.destroy_distributed()
     return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]),
-            "losses": losses, "parameters": n_params, "precision": trainer.precision,
-            "optimizer": trainer.optimizer_name, "gpu_peak_allocated_bytes": gpu_peak,
-            "implementation": f"megatron-core GPTModel ({getattr(trainer.bare_model, 'layer_spec_name', '?')} spec, "
-                              f"{cfg.model.core_attention} attention)"}
+            "losses": losses, "parameters": n_params, "precision": resolve_precision(cfg.precision),
+            "optimizer": optimizer, "gpu_peak_allocated_bytes": gpu_peak,
+            "implementation": f"megatron-core GPTModel (local spec, {cfg.model.core_attention} attention), notebook 03's loop"}
 
 
 class _ShiftedGPTDataset:
@@ -177,14 +178,14 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from helpers import conversion, training
+    from helpers import conversion, dataloader
     from helpers import tokenizer as tokenizer_mod
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
-    train_ds, _, _ = training.build_datasets(cfg)
+    train_ds, _, _ = dataloader.build_run_datasets(cfg)
     hf_config = conversion.gpt2_config(cfg.model, eod_id=tokenizer_mod.eod_id(cfg.tokenizer_path))
     hf_config._attn_implementation = opts["hf_attention"]
     torch.manual_seed(cfg.seed)
@@ -290,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"micro-batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size} ({tokens_per_iter} tokens/iteration); "
           f"{opts['iters']} iterations ({opts['warmup']} warm-up) per run, {args.threads} threads; "
           f"load average {machine['load_average']}", flush=True)
-    active = [side for side in SIDES if side != "megatron_unfused" or args.with_unfused_attention]
+    active = [side for side in SIDES if side != "megatron_sdpa" or args.with_sdpa_attention]
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in active}
     stats = {side: common.SideStats(side) for side in active}
     for r, order in enumerate(common.interleaved_orders(active, args.repeats), 1):
@@ -339,9 +340,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
         "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
                                                                       sides["trainer"]["tokens_per_second"]),
-        "speedup_tokens_per_second_megatron_unfused_vs_trainer": common.ratio(
-            sides["megatron_unfused"]["tokens_per_second"], sides["trainer"]["tokens_per_second"])
-        if "megatron_unfused" in sides else None,
+        "speedup_tokens_per_second_megatron_sdpa_vs_trainer": common.ratio(
+            sides["megatron_sdpa"]["tokens_per_second"], sides["trainer"]["tokens_per_second"])
+        if "megatron_sdpa" in sides else None,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "peak_flops": peak,
     }
 
@@ -364,20 +365,20 @@ def report(result: dict[str, Any]) -> str:
             f"after {result['load_average_after']}.")
     ratio = result["speedup_tokens_per_second_megatron_vs_trainer"]
     text = f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x**\n"
-    unfused = result.get("speedup_tokens_per_second_megatron_unfused_vs_trainer")
-    if unfused is not None:
-        text += f"megatron-core with its unfused attention / Trainer tokens/s: {unfused:.2f}x\n"
+    sdpa = result.get("speedup_tokens_per_second_megatron_sdpa_vs_trainer")
+    if sdpa is not None:
+        text += f"megatron-core with torch's fused SDPA attention / Trainer tokens/s: {sdpa:.2f}x\n"
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("_megatron", "_megatron_unfused", "_trainer"):
+    if argv and argv[0] in ("_megatron", "_megatron_sdpa", "_trainer"):
         opts = json.loads(Path(argv[1]).read_text())
         if argv[0] == "_trainer":
             common.emit_result(_side_trainer(opts))
         else:
-            common.emit_result(_side_megatron(opts, "unfused" if argv[0] == "_megatron_unfused" else None))
+            common.emit_result(_side_megatron(opts, "sdpa" if argv[0] == "_megatron_sdpa" else None))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.training", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -392,8 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side (default 2)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default="sdpa",
                         help="GPT2LMHeadModel attention (default sdpa, what transformers picks)")
-    parser.add_argument("--with-unfused-attention", action="store_true",
-                        help="also run the megatron-core loop with megatron's unfused DotProductAttention")
+    parser.add_argument("--with-sdpa-attention", action="store_true",
+                        help="also run the megatron-core loop with torch's fused SDPA attention in the local spec")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--timeout-s", type=float, default=280.0, help="limit per run, seconds")
     parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_training.json)")

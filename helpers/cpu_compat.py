@@ -232,11 +232,27 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
          "async checkpoint bookkeeping tensors on torch.cuda.current_device() and torch.cuda.synchronize()"),
     Shim("fully_parallel", "megatron.core.dist_checkpointing.strategies.fully_parallel", {287: _SYNC, 296: _SYNC},
          "torch.cuda.synchronize() in fully parallel save/load (DP>1)"),
+    Shim("timers", "megatron.core.timers", {152: _SYNC, 165: _SYNC, 303: _CUR},
+         "Megatron's timers synchronise CUDA at start and stop and gather their times on the current device"),
+    Shim("rerun_state_machine", "megatron.core.rerun_state_machine",
+         {268: _CUDA1, 979: "torch.cuda.get_rng_state()"},
+         "the rerun state machine (NaN and spiky-loss checks) all-reduces a flag on device='cuda' and saves "
+         "the CUDA generator's state before every step"),
+    Shim("clip_grads", "megatron.core.optimizer.clip_grads", {108: _CUDA1, 112: _CUDA1},
+         "get_grad_norm_fp32 accumulates the norm on device='cuda'"),
+    Shim("optimizer", "megatron.core.optimizer.optimizer", {315: _CUDA1, 1249: _CUDA1},
+         "FP32Optimizer keeps its loss scale, and the optimizer its found-inf flag, on device='cuda'"),
+    Shim("fused_adamw", "megatron.core.optimizer",
+         {557: "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"},
+         "without Transformer Engine or Apex, whose FusedAdam is CUDA only, Megatron-LM steps torch's "
+         "for-loop AdamW; torch's fused AdamW is the fused kernel a CPU has: the same update to float32 "
+         "rounding in fewer passes over memory (notebook 04 measures it)", proxy="fused-adamw", package=True),
 )
 
-#: Megatron-LM's training loop (``megatron/training``, shipped in the megatron-core wheel) and the
-#: megatron-core modules only that loop reaches: what ``helpers/pretrain_gpt.py`` needs for
-#: ``megatron.training.pretrain`` on a CPU at TP, PP and DP up to 2, with checkpoints and resume.
+#: Megatron-LM's training loop (``megatron/training``, shipped in the megatron-core wheel): what
+#: ``helpers/pretrain_gpt.py`` needs for ``megatron.training.pretrain`` on a CPU at TP, PP and DP up
+#: to 2, with checkpoints and resume. Applied only in a process that imported ``megatron.training``:
+#: its ``training.py`` sets the root logger to INFO on import, which a notebook should not inherit.
 TRAINING_SHIMS: tuple[Shim, ...] = (
     Shim("initialize", "megatron.training.initialize",
          {66: "torch.cuda.is_available()", 270: "torch.cuda.device_count()", 282: "torch.cuda.set_device(",
@@ -257,21 +273,6 @@ TRAINING_SHIMS: tuple[Shim, ...] = (
     Shim("dist_utils", "megatron.training.models.dist_utils",
          {303: "torch.cuda.Stream()", 304: _STREAM, 306: "torch.cuda.stream("},
          "the model is wrapped in DistributedDataParallel on a side CUDA stream"),
-    Shim("timers", "megatron.core.timers", {152: _SYNC, 165: _SYNC, 303: _CUR},
-         "Megatron's timers synchronise CUDA at start and stop and gather their times on the current device"),
-    Shim("rerun_state_machine", "megatron.core.rerun_state_machine",
-         {268: _CUDA1, 979: "torch.cuda.get_rng_state()"},
-         "the rerun state machine (NaN and spiky-loss checks) all-reduces a flag on device='cuda' and saves "
-         "the CUDA generator's state before every step"),
-    Shim("clip_grads", "megatron.core.optimizer.clip_grads", {108: _CUDA1, 112: _CUDA1},
-         "get_grad_norm_fp32 accumulates the norm on device='cuda'"),
-    Shim("optimizer", "megatron.core.optimizer.optimizer", {315: _CUDA1, 1249: _CUDA1},
-         "FP32Optimizer keeps its loss scale, and the optimizer its found-inf flag, on device='cuda'"),
-    Shim("fused_adamw", "megatron.core.optimizer",
-         {557: "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"},
-         "without Transformer Engine or Apex, whose FusedAdam is CUDA only, Megatron-LM steps torch's "
-         "for-loop AdamW; torch's fused AdamW is the fused kernel a CPU has: the same update to float32 "
-         "rounding in fewer passes over memory (notebook 04 measures it)", proxy="fused-adamw", package=True),
 )
 
 #: Function shims: a megatron function replaced by the same function without its CUDA-only line.
@@ -320,7 +321,7 @@ RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
 
 SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + TRAINING_SHIMS + _METHOD_SHIM_LIST + _FUNCTION_SHIM_LIST + (RNG_SHIM,)
 
-_state: dict[str, Any] = {"applied": False, "originals": {}}
+_state: dict[str, Any] = {"applied": False, "training_applied": False, "originals": {}}
 
 
 def needed() -> bool:
@@ -525,19 +526,47 @@ def _revert_methods() -> None:
 
 
 # --------------------------------------------------------------------------- apply / revert
-def apply(force: bool = False) -> bool:
+def _is_training(module_name: str) -> bool:
+    return module_name.startswith("megatron.training")
+
+
+def _patch(training: bool) -> None:
+    """Install the device and function shims of megatron-core (``training=False``) or of megatron.training."""
+    for shim in (TRAINING_SHIMS if training else DEVICE_SHIMS):
+        module = importlib.import_module(shim.module)
+        _state["originals"][(shim.name, "torch")] = module.torch
+        module.torch = _proxy_for(shim)
+    for name, (module_name, attr) in FUNCTION_SHIMS.items():
+        if _is_training(module_name) == training:
+            module = importlib.import_module(module_name)
+            _state["originals"][(name, attr)] = getattr(module, attr)
+            setattr(module, attr, _FUNCTION_REPLACEMENTS[name])
+
+
+def _unpatch(training: bool) -> None:
+    for shim in (TRAINING_SHIMS if training else DEVICE_SHIMS):
+        importlib.import_module(shim.module).torch = _state["originals"].pop((shim.name, "torch"))
+    for name, (module_name, attr) in FUNCTION_SHIMS.items():
+        if _is_training(module_name) == training:
+            setattr(importlib.import_module(module_name), attr, _state["originals"].pop((name, attr)))
+
+
+def apply(force: bool = False, training: bool | None = None) -> bool:
     """Patch megatron-core for CPU-only training (idempotent).
 
     Makes these work on CPU over gloo: ``GPTModel`` forward/backward (local spec),
     ``tensor_parallel.model_parallel_cuda_manual_seed`` and the RNG tracker (dropout),
     ``pipeline_parallel.get_forward_backward_func()`` schedules at PP=1 and PP>1,
     megatron-core ``DistributedDataParallel`` grad buffers, ``get_megatron_optimizer``, and
-    ``dist_checkpointing`` save/load in the torch_dist format; and Megatron-LM's own loop,
-    ``megatron.training.pretrain`` (:data:`TRAINING_SHIMS`). See :data:`SHIMS` for the exact
-    megatron-core 0.19.2 lines.
+    ``dist_checkpointing`` save/load in the torch_dist format; and, in a process that runs it,
+    Megatron-LM's own loop, ``megatron.training.pretrain`` (:data:`TRAINING_SHIMS`). See
+    :data:`SHIMS` for the exact megatron-core 0.19.2 lines.
 
     Args:
         force: apply even when CUDA is available (tests only).
+        training: also patch ``megatron.training``; default: when this process has imported it
+            already (``helpers/pretrain_gpt.py`` imports it first). A later call with ``training``
+            adds those shims to the ones applied.
 
     Returns:
         True when the shims are (now) applied; False when CUDA is available and nothing
@@ -546,42 +575,40 @@ def apply(force: bool = False) -> bool:
     Warns:
         UserWarning: the installed megatron-core is not 0.19.2 (the shims may be stale).
     """
-    if _state["applied"]:
-        return True
+    import sys
+
     if not force and not needed():
         return False
-    from helpers.environment import package_version
+    if training is None:
+        training = "megatron.training.training" in sys.modules
+    if not _state["applied"]:
+        from helpers.environment import package_version
 
-    version = package_version("megatron-core")
-    if version != MEGATRON_CORE_VERSION:
-        warnings.warn(
-            f"helpers.cpu_compat was written for megatron-core {MEGATRON_CORE_VERSION}, found {version}: "
-            "run tests/test_cpu_compat.py to see which shims are still needed",
-            stacklevel=2,
-        )
-    for shim in DEVICE_SHIMS + TRAINING_SHIMS:
-        module = importlib.import_module(shim.module)
-        _state["originals"][(shim.name, "torch")] = module.torch
-        module.torch = _proxy_for(shim)
-    for name, (module_name, attr) in FUNCTION_SHIMS.items():
-        module = importlib.import_module(module_name)
-        _state["originals"][(name, attr)] = getattr(module, attr)
-        setattr(module, attr, _FUNCTION_REPLACEMENTS[name])
-    _apply_methods()
-    _apply_rng()
-    _state["applied"] = True
+        version = package_version("megatron-core")
+        if version != MEGATRON_CORE_VERSION:
+            warnings.warn(
+                f"helpers.cpu_compat was written for megatron-core {MEGATRON_CORE_VERSION}, found {version}: "
+                "run tests/test_cpu_compat.py to see which shims are still needed",
+                stacklevel=2,
+            )
+        _patch(training=False)
+        _apply_methods()
+        _apply_rng()
+        _state["applied"] = True
+    if training and not _state["training_applied"]:
+        _patch(training=True)
+        _state["training_applied"] = True
     return True
 
 
 def revert() -> None:
     """Undo :func:`apply` (used by the tests to show each unpatched call still fails)."""
+    if _state["training_applied"]:
+        _unpatch(training=True)
+        _state["training_applied"] = False
     if not _state["applied"]:
         return
-    for shim in DEVICE_SHIMS + TRAINING_SHIMS:
-        module = importlib.import_module(shim.module)
-        module.torch = _state["originals"].pop((shim.name, "torch"))
-    for name, (module_name, attr) in FUNCTION_SHIMS.items():
-        setattr(importlib.import_module(module_name), attr, _state["originals"].pop((name, attr)))
+    _unpatch(training=False)
     _revert_methods()
     _revert_rng()
     _state["applied"] = False
@@ -592,14 +619,14 @@ def unpatched() -> Iterator[None]:
     """Temporarily undo the shims inside a ``with`` block (tests), re-applying them (and the
     RNG tracker that was in use) after."""
     random = importlib.import_module(RNG_SHIM.module)
-    was = is_applied()
+    was, was_training = is_applied(), _state["training_applied"]
     tracker = (random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     revert()
     try:
         yield
     finally:
         if was:
-            apply(force=True)
+            apply(force=True, training=was_training)
             random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
 
 

@@ -272,3 +272,34 @@ def optimizer_name() -> str:
         if importlib.util.find_spec(module) is not None:
             return name
     return "torch.optim.AdamW"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers.megatron_args [RUN_DIR] [--gpu] [--script pretrain_gpt.py] [--nproc N]``: print the
+    command of a run (its ``run.json``, written by ``helpers.launch.train``).
+
+    Returns:
+        0, or 2 when the folder holds no ``run.json`` (the message says which notebook writes it).
+    """
+    import argparse
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.megatron_args",
+                                     description="print Megatron-LM's command line for a run folder")
+    parser.add_argument("run_dir", nargs="?", default="runs/latest", help="a run folder (default runs/latest)")
+    parser.add_argument("--gpu", action="store_true", help="the GPU command (no CPU-only flags)")
+    parser.add_argument("--script", default=None, help="instead of -m helpers.pretrain_gpt, e.g. pretrain_gpt.py")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (--nproc-per-node)")
+    args = parser.parse_args(argv)
+    config = Path(args.run_dir) / "run.json"
+    if not config.is_file():
+        print(f"error: {config} not found: notebook 03 (helpers.launch.train) writes it", file=sys.stderr)
+        return 2
+    cfg = TrainingConfig.from_json(config)
+    print(shell_command(cfg, nproc_per_node=args.nproc, cpu=False if args.gpu else None, script=args.script))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -41,22 +41,22 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.enums import ModelType
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.training import get_args, pretrain, print_rank_0
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import get_blend_and_blend_per_split
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from helpers import checkpointing, cpu_compat, dataloader, run_guard
 
-cpu_compat.apply()  # no-op with CUDA; on a CPU: megatron-core's and megatron.training's CUDA-only calls
+cpu_compat.apply()  # the one line a CPU needs: megatron-core's and megatron.training's CUDA-only calls (none with CUDA)
 cpu_compat.use_prebuilt_dataset_helpers()
-
-import torch  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
-from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
-from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
-from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -116,7 +116,7 @@ def test_unpatched_call_fails_patched_call_runs(shim):
     import importlib
 
     module = importlib.import_module(shim.module)
-    cpu_compat.apply()
+    cpu_compat.apply(training=shim.module.startswith("megatron.training"))
     for snippet in set(shim.lines.values()):
         call = _failing_expression(module, snippet)
         with cpu_compat.unpatched():
@@ -254,7 +254,7 @@ def test_jit_warmup_would_draw_from_the_weights_generator():
 
     from megatron.training import global_vars, initialize
 
-    cpu_compat.apply()
+    cpu_compat.apply(training=True)
     args = Namespace(bf16=False, fp16=False, ffn_hidden_size=16, tensor_model_parallel_size=1, seq_length=4,
                      context_parallel_size=1, micro_batch_size=1, swiglu=False, sequence_parallel=False, hidden_size=4)
     saved = global_vars._GLOBAL_ARGS
@@ -304,3 +304,19 @@ def test_the_wheel_lacks_the_dataset_helpers_makefile():
     cpu_compat.use_prebuilt_dataset_helpers()
     cpu_compat.use_prebuilt_dataset_helpers()  # idempotent
     assert utils.compile_helpers() is None
+
+
+def test_megatron_training_is_patched_only_in_a_process_that_runs_it():
+    """megatron/training/training.py sets the root logger to INFO when imported: a notebook that only
+    uses megatron-core must not import it through apply(). A fresh process shows both cases."""
+    import subprocess
+    import sys
+
+    probe = ("import logging, sys\nfrom helpers import cpu_compat\ncpu_compat.apply()\n"
+             "print('megatron.training.training' in sys.modules, logging.getLogger().level)\n"
+             "import megatron.training.training\ncpu_compat.apply()\n"
+             "print(cpu_compat._state['training_applied'], type(megatron.training.initialize.torch).__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "30", "True", "CpuTorch"]
