@@ -4,8 +4,9 @@
 ``corpus`` (CodeParrot's cleaning; ``hub_datasets``: a 🤗 dataset as the source) -> ``tokenizer`` (byte-level BPE) -> ``preprocess``
 (``.bin/.idx`` with ``IndexedDatasetBuilder``) -> ``dataloader`` (``GPTDatasetConfig`` +
 ``BlendedMegatronDatasetBuilder``) -> ``model`` (``TransformerConfig``, ``GPTModel``,
-``attention``; ``memory``: bytes per GPU) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, schedule, clipping)
--> ``training_config`` + ``training`` (the ``pretrain_gpt.py`` counterpart) -> ``checkpointing``
+``attention``; ``memory``: bytes per GPU) -> ``distributed`` (process groups) -> ``optimizer`` (AdamW, the schedule)
+-> ``core_loop`` (notebook 03's loop, call by call) -> ``training_config`` + ``megatron_args`` (a run as
+Megatron-LM's flags) + ``pretrain_gpt`` (Megatron-LM's ``pretrain_gpt.py``: its own training loop) -> ``checkpointing``
 (``dist_checkpointing``) -> ``conversion`` (megatron-core <-> GPT-2 weight map; ``megatron_lm``:
 checkpoints Megatron-LM wrote itself) -> ``evaluation``
 (bits per byte against gzip, sampling, syntax validity, pass@k).
@@ -15,9 +16,9 @@ simulations, drawings, proofs); each module names its notebook and nothing above
 
 **Plumbing**: ``series`` (the papermill runner and the stage order), ``data_stage`` (notebook 01's
 cached stage), ``preflight`` (epochs, memory and time of a run before it starts), ``launch``
-(torchrun from a notebook), ``run_guard`` (a job stops with its launcher;
-one job per run folder), ``metrics``, ``encoders`` (fast tokenizing), ``results``, ``report`` (the report card), ``environment``,
-``cpu_compat`` (megatron-core on a CPU), ``quiet``.
+(torchrun from a notebook; Megatron-LM's loop for a config), ``run_guard`` (a job stops with its launcher;
+one job per run folder), ``metrics`` (what Megatron-LM's loop logged), ``encoders`` (fast tokenizing), ``results``, ``report`` (the report card), ``environment``,
+``cpu_compat`` (megatron-core and megatron.training on a CPU), ``quiet``.
 
 Import modules explicitly, e.g. ``from helpers import corpus, results``. Nothing here
 imports megatron-core or torch at package import time, so ``import helpers`` is instant.

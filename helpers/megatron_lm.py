@@ -561,7 +561,7 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
     first = load_pickle(files[0], weights_only=weights_only)
     if not isinstance(first, Mapping) or not isinstance(first.get("model"), Mapping) or meta is None and "args" not in first:
         found = list(first)[:8] if isinstance(first, Mapping) else type(first).__name__
-        raise ConversionError(f"no {checkpointing.MODEL_CONFIG_FILE} next to {files[0]} and it is no Megatron-LM checkpoint "
+        raise ConversionError(f"no model_config.json next to {files[0]} and it is no Megatron-LM checkpoint "
                               f"with args and a model (found {found}): pass model_config= (a helpers.model.ModelConfig "
                               "or its to_metadata() dict)")
     args, version = _args_dict(first.get("args")), float(first.get("checkpoint_version", 0))
@@ -663,7 +663,7 @@ def read_checkpoint(path: str | os.PathLike, fmt: str, meta: Mapping[str, Any] |
         return tensors, {**meta, "iteration": iteration, "checkpoint_version": version}, iteration, "torch", non_model
     common = read_common_state(path, weights_only=weights_only)
     if meta is None and common.get("args") is None:
-        raise ConversionError(f"no {checkpointing.MODEL_CONFIG_FILE} next to {path} and its common state holds no "
+        raise ConversionError(f"no model_config.json next to {path} and its common state holds no "
                               "Megatron-LM args: pass model_config= (a helpers.model.ModelConfig of the trained model)")
     meta = meta if meta is not None else metadata_from_args(_args_dict(common["args"]))
     tensors, non_model = read_torch_dist_tensors(path, weights_only=weights_only)

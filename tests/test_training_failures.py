@@ -9,7 +9,6 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
