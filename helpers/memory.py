@@ -201,9 +201,15 @@ def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size
     Raises:
         ValueError: a layout :func:`check_layout` refuses.
     """
+    import logging
     from types import SimpleNamespace
 
-    from megatron.training import theoretical_memory_usage as tmu
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    from megatron.training import theoretical_memory_usage as tmu  # megatron/training/training.py sets INFO logging
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
     check_layout(model, layout)
     t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size

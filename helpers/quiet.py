@@ -104,6 +104,11 @@ KNOWN: tuple[KnownMessage, ...] = (
         "torch distributed/checkpoint/logger.py:90",
         "the same torch.distributed.checkpoint.load call, made by megatron-core with keyword arguments"),
     KnownMessage(
+        "te_moe_version", r"Only transformer-engine>=1\.7\.0 supports MoE experts", "warning",
+        "megatron-core extensions/transformer_engine_spec_provider.py:88",
+        "building a layer spec asks Transformer Engine's version; without TE it reads 0.0.0. The series "
+        "builds no mixture-of-experts layer, and the local spec's linear layers are used"),
+    KnownMessage(
         "no_cuda_runtime", r"No CUDA runtime is found", "log",
         "torch utils/cpp_extension.py:183, imported by megatron-core tensor_parallel/random.py",
         "PyPI's Linux torch is a CUDA build; on a machine without a GPU it finds no CUDA runtime",

@@ -41,6 +41,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     tokens = torch.randint(0, 100, (2, 16))
     gpt(tokens, torch.arange(16).expand(2, 16), None)
+    import megatron.training.theoretical_memory_usage  # notebook 05's Megatron-LM estimate imports megatron.training
     warnings.warn("a message nobody listed")
     print("VERSION", megatron.core.__version__)
     print("SUPPRESSED", sorted(quiet.suppressed().items()))
