@@ -594,6 +594,9 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
         _patch(training=False)
         _apply_methods()
         _apply_rng()
+        from helpers import run_guard
+
+        run_guard.checkpoint_queue_in_process()  # not a CUDA matter: no helper process left behind by a save
         _state["applied"] = True
     if training and not _state["training_applied"]:
         _patch(training=True)

@@ -45,9 +45,10 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
     import torch
     import torch.distributed as dist
 
-    from helpers import cpu_compat
+    from helpers import cpu_compat, run_guard
 
     cpu_compat.apply()
+    run_guard.checkpoint_queue_in_process()  # a save starts no helper process that could outlive this one
     under_torchrun = "RANK" in os.environ
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun else 1
     mp = tensor_model_parallel_size * pipeline_model_parallel_size

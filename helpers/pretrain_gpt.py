@@ -143,7 +143,7 @@ def main() -> int:
         checkpointing.CheckpointReadError: the checkpoint ``--load`` resumes from has a missing or short shard.
         run_guard.RunFolderBusyError: another job trains into the folder above ``--save``.
     """
-    run_guard.fork_checkpoint_queue()  # before watch_launcher's thread: see its docstring
+    run_guard.checkpoint_queue_in_process()  # no spawned helper process at the first save
     run_guard.watch_launcher()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     _check_split(args)

@@ -15,10 +15,10 @@ would go on writing checkpoints and metrics into a run folder that a rerun is al
   while a job trains. The lock file names the job (pid, host, start time, command); a second
   job is refused with that name. The operating system releases the lock when the process
   ends, however it ends, so a killed job never leaves a stale lock.
-- :func:`fork_checkpoint_queue` (called first by the torchrun entry points that save) gives
-  megatron-core's checkpoint writer a result queue served by a *forked* ``multiprocessing``
-  Manager that dies with the trainer, instead of the spawned one megatron-core starts at a
-  process's first save, which re-imports the trainer and outlives a killed one.
+- :func:`checkpoint_queue_in_process` (called by every process of the series that saves, notebook
+  kernels included) gives megatron-core's checkpoint writer a plain in-process result queue,
+  instead of the ``multiprocessing`` Manager it spawns at a process's first save, which
+  re-imports the program and outlives a killed one.
 """
 
 from __future__ import annotations
@@ -151,54 +151,30 @@ def check_run_folder_free(run_path: str | os.PathLike) -> None:
             pass
 
 
-_MANAGERS: list = []  # the forked Managers, kept alive for the life of the process
-
-
-def _die_with(parent_pid: int) -> None:
-    """In the Manager's server process: get SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``),
-    and ignore SIGTERM and SIGINT, which a launcher sends to the whole process group: the trainer
-    saves a checkpoint on SIGTERM, through this server, before it exits."""
-    import ctypes
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the Manager is still stopped at a normal exit
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def fork_checkpoint_queue() -> bool:
-    """Pre-create megatron-core's checkpoint result queue from a forked Manager; call before any thread starts.
+def checkpoint_queue_in_process() -> bool:
+    """Give megatron-core's checkpoint writer an in-process result queue; no helper process is started.
 
     megatron-core 0.19.2 ``dist_checkpointing/strategies/filesystem_async.py:53``
     (``get_write_results_queue``) creates ``mp.get_context("spawn").Manager().Queue()`` at a
-    process's first ``dist_checkpointing.save``. The spawned server process re-imports the
-    trainer's ``__main__`` (torch, megatron-core: 7.6 s measured on 2 busy cores, at every
-    launch that saves), and it is not stopped when the trainer is killed (SIGKILL, or
-    :func:`watch_launcher`'s ``os._exit``): it stays behind. This sets the module's cached queue
-    (``filesystem_async._results_queue``) to one served by a Manager started with ``fork``
-    (0.04 s), whose server asks the kernel for SIGKILL when the trainer dies. Fork is safe here
-    because nothing but the main thread runs yet; call it first in ``main``.
+    process's first ``dist_checkpointing.save``. The spawned server re-imports the program's
+    ``__main__`` (torch, megatron-core: 7.6 s measured per launch on 2 busy cores; a notebook kernel
+    too) and is not stopped when its parent is killed: it and its ``resource_tracker`` stay behind.
+    A synchronous save, the only kind the series and its Megatron-LM runs make (no
+    ``--async-save``), writes in threads of the saving process (``write_preloaded_data_multithread``)
+    and hands the results back through that queue in the same process, so a ``queue.Queue`` does
+    the job: this sets the module's cached queue (``filesystem_async._results_queue``) to one.
 
     Returns:
         True when the queue was set; False when megatron-core has no such cache (another
-        version: its own behaviour stays), a queue exists already, or another thread runs
-        (forking then could copy a held lock into the server and hang it).
+        version: its own behaviour stays) or a queue exists already.
     """
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
+    import queue
 
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return False
-    if getattr(filesystem_async, "_results_queue", False) is not None or threading.active_count() > 1:
+    if getattr(filesystem_async, "_results_queue", False) is not None:
         return False
-    manager = SyncManager(ctx=mp.get_context("fork"))
-    manager.start(initializer=_die_with, initargs=(os.getpid(),))
-    _MANAGERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = queue.Queue()
     return True

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from helpers import run_guard
 
-    run_guard.fork_checkpoint_queue()
+    run_guard.checkpoint_queue_in_process()
     try:
         print(f"wrote {hf_to_megatron_checkpoint(args.hf_dir, args.checkpoint_dir, iteration=args.iteration, overwrite=args.overwrite)}")
     except (conversion.ConversionError, FileExistsError, FileNotFoundError) as err:

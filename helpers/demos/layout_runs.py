@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from helpers import run_guard
 
-    run_guard.fork_checkpoint_queue()
+    run_guard.checkpoint_queue_in_process()
     _init_checkpoint_main(args.config)
     return 0
 

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from helpers import run_guard
     from helpers.distributed import destroy_distributed, initialize_distributed
 
-    run_guard.fork_checkpoint_queue()
+    run_guard.checkpoint_queue_in_process()
 
     parser = argparse.ArgumentParser(prog="python -m helpers.demos.tensor_parallel_run")
     for name, kind in (("--tp", int), ("--load", str), ("--init-config", str), ("--tokens", str),
