@@ -131,15 +131,6 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_
         )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = results.mkstemp_readable(path.parent, f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- RNG states
 def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_config: dict[str, Any]) -> Path:
     """Save a ``GPTModel``'s weights (no optimizer) as ``iter_NNNNNNN`` with torch_dist, in Megatron's layout.
@@ -173,8 +164,8 @@ def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_c
     dist_checkpointing.save(state, str(folder))
     dist.barrier()
     if rank == 0:
-        _write_atomic(folder / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2, sort_keys=True) + "\n")
-        _write_atomic(Path(checkpoint_dir) / TRACKER_FILE, f"{iteration}\n")
+        results.write_atomic(folder / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2, sort_keys=True) + "\n")
+        results.write_atomic(Path(checkpoint_dir) / TRACKER_FILE, f"{iteration}\n")
     dist.barrier()
     return folder
 

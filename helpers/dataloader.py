@@ -64,7 +64,7 @@ class MegatronTokenizerAdapter(_TokenizerBase):  # type: ignore[misc,valid-type]
     """
 
     def __init__(self, tokenizer_dir: str | os.PathLike) -> None:
-        folder = Path(tokenizer_dir).expanduser().resolve()
+        folder = tokenizer_mod.check_folder(tokenizer_dir).resolve()  # a missing file: named, with the fix
         self.path = str(folder)
         self._vocab_size = tokenizer_mod.vocab_size_of(folder)
         self._eod = tokenizer_mod.eod_id(folder)

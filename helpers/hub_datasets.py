@@ -48,6 +48,46 @@ HUB_TIMEOUT = 5.0
 #: Environment variables that switch the Hub off (``huggingface_hub`` and older ``datasets``).
 OFFLINE_VARIABLES: tuple[str, ...] = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
+#: What a row whose text is missing may do (``missing_text=``): be counted and skipped, as real
+#: datasets need (a null here and there), or stop the read, naming the row.
+MISSING_TEXT_CHOICES: tuple[str, ...] = ("skip", "refuse")
+
+
+class MissingText:
+    """The text of a row whose text column holds ``None`` (a JSON ``null``): :data:`MISSING_TEXT`.
+
+    :func:`helpers.corpus.rejection_reason` counts it under the filter ``missing`` and skips it.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING_TEXT"
+
+
+#: The one :class:`MissingText`; compare with ``is``.
+MISSING_TEXT = MissingText()
+
+
+def check_missing_text(missing_text: str) -> str:
+    """``missing_text`` if it is one of :data:`MISSING_TEXT_CHOICES`.
+
+    Raises:
+        ValueError: another value; the message lists the choices.
+    """
+    if missing_text not in MISSING_TEXT_CHOICES:
+        raise ValueError(f"missing_text={missing_text!r}: choose {' or '.join(map(repr, MISSING_TEXT_CHOICES))} "
+                         "(skip counts and skips rows whose text is missing; refuse stops at the first)")
+    return missing_text
+
+
+def missing_text_error(where: str, text_key: str) -> ValueError:
+    """The error of a row without text read with ``missing_text="refuse"``."""
+    return ValueError(f"{where}: {text_key!r} holds no text (None / null), and missing_text='refuse' stops at such "
+                      "a row. Pass missing_text='skip' to count and skip them (the counts table shows how many), "
+                      "or fix the data.")
+
+
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _LOCAL_HINT = ("point source at local files instead: 'hf:json:/path/to/files.jsonl' (or hf:parquet:/path/*.parquet) "
                "reads data files with load_dataset, 'hf:/path/to/folder' a local folder of data files, "
@@ -149,8 +189,11 @@ def check_hub(path: str) -> None:
 
 
 def read_dataset(source: str, text_key: str = "content", max_docs: int | None = None, split: str = "train",
-                 streaming: bool = True) -> Iterator[tuple[str, str]]:
+                 streaming: bool = True, missing_text: str = "skip") -> Iterator[tuple[str | MissingText, str]]:
     """Yield ``(text, "PATH:SPLIT:ROW")`` for the first ``max_docs`` rows of a dataset source.
+
+    A row whose text is ``None`` yields :data:`MISSING_TEXT` (``missing_text="skip"``: counted and
+    skipped by :func:`helpers.corpus.collect_corpus`) or stops the read (``"refuse"``).
 
     Makes the ``datasets.load_dataset`` call of :func:`load_arguments` (after :func:`check_hub`).
     ``streaming=True`` reads rows as they arrive (the Hub's files are not downloaded first);
@@ -162,9 +205,11 @@ def read_dataset(source: str, text_key: str = "content", max_docs: int | None = 
         ValueError: a bad spelling (:func:`load_arguments`); ``split`` is not one of the dataset's
             splits (the message lists them and names ``hf_split``); a row lacks the column
             ``text_key`` (the message lists the columns found and names ``text_key``) or it holds
-            something other than text, a missing value (``None``) included, as in a JSON Lines source.
+            something other than text (a number, a list), or ``None`` with ``missing_text="refuse"``,
+            as in a JSON Lines source; ``missing_text`` is not a choice of :data:`MISSING_TEXT_CHOICES`.
         FileNotFoundError: no local file or folder matches (``datasets``' message).
     """
+    check_missing_text(missing_text)
     path, kwargs = load_arguments(source, split, streaming)
     check_hub(path)
     from datasets import load_dataset
@@ -187,7 +232,12 @@ def read_dataset(source: str, text_key: str = "content", max_docs: int | None = 
             raise ValueError(f"source={source!r}: split {split!r} has no column {text_key!r} (columns: {sorted(row)}); "
                              "pass the column that holds the text as text_key")
         text = row[text_key]
+        if text is None:
+            if missing_text == "refuse":
+                raise missing_text_error(f"source={source!r}: row {row_number}", text_key)
+            yield MISSING_TEXT, f"{path}:{split}:{row_number}"
+            continue
         if not isinstance(text, str):
             raise ValueError(f"source={source!r}: row {row_number}: column {text_key!r} holds {text!r:.40} "
-                             f"({type(text).__name__}), not text; pass a text column as text_key, or drop such rows")
+                             f"({type(text).__name__}), not text; pass a text column as text_key")
         yield text, f"{path}:{split}:{row_number}"

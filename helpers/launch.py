@@ -9,6 +9,7 @@ and a failure names the rank that failed and shows the end of its log.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -398,6 +399,43 @@ _SHOWN = ("validation loss at", "successfully saved checkpoint", "exiting progra
           "loading distributed checkpoint", "could not find arguments in the checkpoint")
 
 
+def _disk_filled(err: LaunchError, folder: Path, checkpoint_bytes: int) -> bool:
+    """Whether a failed training job ran out of disk: the log says so (``ENOSPC``), or the checkpoint
+    folder's disk has less free space than one checkpoint. megatron-core 0.19.2 loses the ``OSError``
+    of a save's writer (``filesystem_async.py``: "Worker failure ... <class 'RuntimeError'>"), so
+    the free space is the sure sign."""
+    text = str(err)
+    return ("No space left on device" in text or "[Errno 28]" in text
+            or run_guard.free_bytes(folder) < checkpoint_bytes)
+
+
+def _disk_full_text(cfg, plan, log_path: Path, since: float) -> str:
+    """The message of a training job that filled its disk; removes the checkpoint it could not finish
+    (an ``iter_*`` folder past the tracker's iteration, made at or after ``since``, a ``time.time()``)."""
+    from helpers import checkpointing
+
+    latest = checkpointing.latest_iteration(cfg.checkpoint_path)
+    partial = sorted(p for p in Path(cfg.checkpoint_path).glob("iter_*")
+                     if p.is_dir() and checkpointing.iteration_of(p) is not None
+                     and checkpointing.iteration_of(p) > (latest or 0) and p.stat().st_mtime >= since - 1)
+    for folder in partial:  # never named by the tracker file: not a checkpoint, only space taken
+        shutil.rmtree(folder, ignore_errors=True)
+    kept = (f"the last complete checkpoint, iteration {latest}, is kept (training resumes from it)" if latest
+            else "no checkpoint was complete")
+    from helpers import preflight
+
+    removed = f"; the unfinished {', '.join(p.name for p in partial)} was deleted" if partial else ""
+    saves = preflight.checkpoint_saves(cfg, latest or 0)
+    rest = dataclasses.replace(plan, checkpoint_saves=saves)
+    return (f"training stopped: the disk filled up while a checkpoint was saved ({kept}{removed}). "
+            + run_guard.disk_full_message(cfg.checkpoint_path, rest.disk_bytes,
+                                          f"the rest of the run ({saves} checkpoints of about "
+                                          f"{run_guard.human_bytes(plan.checkpoint_bytes)} each, plus logs)",
+                                          "train into a run folder on a bigger disk (run_dir=), or save fewer "
+                                          "checkpoints (a larger save_interval)")
+            + f" The log: {log_path}")
+
+
 def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
           master_port: int | None = None, progress: bool = True, echo: bool = False,
           config_name: str = "run.json", env: dict[str, str] | None = None,
@@ -435,6 +473,10 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         ValueError: also when the folder holds a finished run trained with other settings.
         helpers.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
         helpers.preflight.RepeatedDataError: more than ``max_epochs`` epochs (nothing started).
+        helpers.run_guard.RunFolderNotWritableError: the run or checkpoint folder cannot be written.
+        helpers.run_guard.DiskFullError: the checkpoints to come need more space than the disk has
+            free (nothing started), or the disk filled up during the run (the unfinished checkpoint
+            is deleted; the last complete one stays).
     """
     from tqdm.auto import tqdm
 
@@ -442,6 +484,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     from helpers.training_config import check_same_run
 
     cfg.check(nproc_per_node)
+    for folder in dict.fromkeys([cfg.run_path, cfg.checkpoint_path]):
+        run_guard.check_writable(folder)  # a read-only folder: refused before anything is written
     run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)
     summary_path = cfg.summary_file
@@ -454,7 +498,9 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         return TrainingResult(json.loads(summary_path.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:  # about to resume from it: every shard whole (Megatron-LM would say only "EOFError")
         checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))
-    preflight.check_repeats(preflight.preflight(cfg, nproc=nproc_per_node), max_epochs)
+    plan = preflight.preflight(cfg, nproc=nproc_per_node)
+    preflight.check_repeats(plan, max_epochs)
+    preflight.check_disk(plan, cfg.checkpoint_path)  # the checkpoints to come fit on the disk
     cfg.to_json(cfg.run_path / config_name)
     log_path = cfg.run_path / "training.log"
     if latest is None and log_path.exists():  # a fresh start: the log of an earlier, deleted run goes
@@ -472,10 +518,15 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         elif any(s in line for s in _SHOWN):
             (bar.write if bar is not None else print)(line.strip())
 
+    started = time.time()
     try:
         res = torchrun([*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)], nproc_per_node=nproc_per_node,
                        timeout_s=timeout_s, master_port=master_port, on_line=on_line, log_path=log_path,
                        env={**megatron_args.ENV, **(env or {})}, log_dir=cfg.run_path / "torchrun_logs")
+    except LaunchError as err:
+        if _disk_filled(err, cfg.checkpoint_path, plan.checkpoint_bytes):
+            raise run_guard.DiskFullError(_disk_full_text(cfg, plan, log_path, started)) from None
+        raise
     finally:
         if bar is not None:
             bar.close()

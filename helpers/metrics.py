@@ -27,6 +27,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from helpers import results
+
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 _VALID = re.compile(r"validation loss at iteration (\d+)(?: on (validation|test) set)? \| lm loss value: "
                     r"([-+\d.eE]+) \| lm loss PPL: ([-+\d.eEinfa]+)")
@@ -97,10 +99,8 @@ def from_megatron_lm(cfg, log_text: str, *, write: bool = True) -> dict[str, lis
     if write:
         path = cfg.metrics_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for kind in ("iteration", "train", "valid", "test")
-                               for r in records[kind]))
-        os.replace(tmp, path)
+        results.write_atomic(path, "".join(json.dumps(r) + "\n" for kind in ("iteration", "train", "valid", "test")
+                                           for r in records[kind]))
     return records
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from helpers import model as model_lib
 from helpers import preprocess
+from helpers.run_guard import check_free_space, free_bytes, human_bytes
 
 #: Default limit on epochs over the training split (Muennighoff et al. 2023: past about 16
 #: repeats, more compute on the same data is worth almost nothing).
@@ -43,6 +44,11 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 #: cpu profile on a 2-core AMD EPYC (88.5 GFLOP/s on 2 threads, the cpu-long run of 2026-12-01).
 STATED_GPU_MFU = 0.30
 STATED_CPU_FLOPS_PER_THREAD = 44e9
+
+
+#: Bytes a run writes beside its checkpoints, allowed for in :attr:`Preflight.disk_bytes`: the
+#: log, metrics, TensorBoard events and the dataset's index cache (a few MB for the cpu profile).
+DISK_MARGIN_BYTES = 16 * 1000 ** 2
 
 
 class RepeatedDataError(ValueError):
@@ -72,16 +78,11 @@ def train_tokens_per_epoch(data_prefix: str | Path, split: str) -> int:
 
     Raises:
         FileNotFoundError: no ``.bin/.idx`` at ``data_prefix`` (run notebook 01).
-        ValueError: the ``.idx`` cannot be read (the message says to remake it), or ``split`` is malformed.
+        helpers.preprocess.DamagedDataError: the ``.idx`` cannot be read, or the ``.bin`` does not match it
+            (the message says how to remake them); ValueError: ``split`` is malformed.
     """
-    try:
-        ds = preprocess.open_indexed_dataset(data_prefix)  # kept alive: its __del__ closes the mmap the lengths view
-        lengths = ds.sequence_lengths
-    except (ValueError, AssertionError, OSError) as err:
-        if isinstance(err, FileNotFoundError):
-            raise
-        raise ValueError(f"{data_prefix}.idx cannot be read ({type(err).__name__}: {err}): delete its data folder and "
-                         "rerun notebook 01") from None
+    ds = preprocess.open_indexed_dataset(data_prefix)  # kept alive: its __del__ closes the mmap the lengths view
+    lengths = ds.sequence_lengths
     train = preprocess.split_document_ranges(len(lengths), split)[0]
     return 0 if train is None else int(lengths[train[0]:train[1]].sum())
 
@@ -96,7 +97,9 @@ class Preflight:
 
     ``tokens_per_epoch``, ``epochs``: None when the data is not made yet. ``memory_per_gpu_bytes``:
     weights, gradients, optimizer state and activations of the largest stage (no allocator or
-    communication buffers). ``flops_per_s``: the stated rate behind ``estimated_seconds``
+    communication buffers). ``checkpoint_bytes``: one save (:func:`helpers.memory.checkpoint_bytes`);
+    ``checkpoint_saves``: the saves still to come (Megatron-LM keeps them all); ``free_bytes``: free
+    space on the checkpoint folder's disk now. ``flops_per_s``: the stated rate behind ``estimated_seconds``
     (None for a GPU missing from :data:`PEAK_BF16_FLOPS`), described by ``rate_source``.
     """
 
@@ -107,10 +110,18 @@ class Preflight:
     tokens_per_epoch: int | None
     epochs: float | None
     memory_per_gpu_bytes: float
+    checkpoint_bytes: int
+    checkpoint_saves: int
+    free_bytes: int
     flops_per_token: int
     flops_per_s: float | None
     rate_source: str
     estimated_seconds: float | None
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the run will write: its checkpoints plus :data:`DISK_MARGIN_BYTES` (logs, TensorBoard, index cache)."""
+        return self.checkpoint_saves * self.checkpoint_bytes + DISK_MARGIN_BYTES
 
     def rows(self) -> list[tuple[str, str]]:
         """``(what, value)`` pairs for a printed table."""
@@ -124,6 +135,8 @@ class Preflight:
                 ("training tokens per epoch", "not made yet" if self.tokens_per_epoch is None else f"{self.tokens_per_epoch:,}"),
                 ("epochs over the training data", "unknown" if self.epochs is None else _epochs(self.epochs)),
                 (f"memory per {per} (estimate)", f"{self.memory_per_gpu_bytes / 2**30:,.2f} GiB"),
+                ("checkpoints to write (estimate)", f"{self.checkpoint_saves} x {human_bytes(self.checkpoint_bytes)}; "
+                                                    f"{human_bytes(self.free_bytes)} free on that disk"),
                 ("estimated training time", f"{est} ({self.rate_source})")]
 
     def text(self) -> str:
@@ -147,7 +160,8 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
     """
     import torch
 
-    from helpers.memory import memory_per_gpu
+    from helpers.megatron_lm import latest_iteration
+    from helpers.memory import checkpoint_bytes, memory_per_gpu
     from helpers.training_config import num_microbatches, resolve_precision
 
     if device is None:
@@ -177,8 +191,35 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
         source = f"stated: {STATED_CPU_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s per CPU thread x {threads}"
     return Preflight(device=device, precision=precision, tokens_per_iteration=per_iteration, train_tokens=total,
                      tokens_per_epoch=tokens_per_epoch, epochs=total / tokens_per_epoch if tokens_per_epoch else None,
-                     memory_per_gpu_bytes=memory.total, flops_per_token=fpt, flops_per_s=rate, rate_source=source,
+                     memory_per_gpu_bytes=memory.total,
+                     checkpoint_bytes=checkpoint_bytes(cfg.model, precision, nproc),
+                     checkpoint_saves=checkpoint_saves(cfg, latest_iteration(cfg.checkpoint_path) or 0),
+                     free_bytes=free_bytes(cfg.checkpoint_path), flops_per_token=fpt, flops_per_s=rate, rate_source=source,
                      estimated_seconds=total * fpt / rate if rate else None)
+
+
+def checkpoint_saves(cfg, start: int = 0) -> int:
+    """Checkpoints Megatron-LM writes training ``cfg`` from iteration ``start``: one every
+    ``save_interval`` iterations and one at the end when ``train_iters`` is not a multiple of it
+    (``megatron/training/training.py``: ``train`` and the end of ``pretrain``); it deletes none."""
+    interval = cfg.save_interval or cfg.train_iters
+    if start >= cfg.train_iters:
+        return 0
+    return cfg.train_iters // interval - start // interval + (1 if cfg.train_iters % interval else 0)
+
+
+def check_disk(plan: Preflight, folder: str | Path) -> None:
+    """Refuse a run whose checkpoints would not fit on the disk of ``folder`` (the checkpoint folder).
+
+    Raises:
+        helpers.run_guard.DiskFullError: ``plan.disk_bytes`` is more than the free space there;
+            the message names the folder, both amounts and the fixes. Nothing was started.
+    """
+    check_free_space(folder, plan.disk_bytes,
+                     f"training ({plan.checkpoint_saves} checkpoints of about {human_bytes(plan.checkpoint_bytes)} each, "
+                     "kept, plus logs)",
+                     "train into a run folder on a bigger disk (run_dir=, or --run-dir), or save fewer checkpoints "
+                     "(a larger save_interval)")
 
 
 def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: str | Path) -> Preflight:

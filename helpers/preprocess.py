@@ -157,7 +157,7 @@ def tokenize_to_indexed_dataset(
     prefix = _check_prefix(output_prefix, overwrite)
     if not Path(jsonl).is_file():
         raise FileNotFoundError(f"jsonl={str(jsonl)!r} not found: write it first (helpers.corpus.write_jsonl)")
-    vocab_size = tokenizer_mod.vocab_size_of(tokenizer_dir)
+    vocab_size = tokenizer_mod.vocab_size_of(tokenizer_mod.check_folder(tokenizer_dir))
     eod = tokenizer_mod.eod_id(tokenizer_dir)
     dtype = DType.optimal_dtype(vocab_size)
 
@@ -233,21 +233,48 @@ def split_document_ranges(num_documents: int, split: str, *, parameter: str = "s
             for b in matrix]
 
 
+class DamagedDataError(ValueError):
+    """A ``.bin/.idx`` pair that cannot be read as one: a damaged ``.idx``, or a ``.bin`` whose size is
+    not the one its ``.idx`` gives (a copy cut short, a disk that filled up)."""
+
+
 def open_indexed_dataset(prefix: str | os.PathLike):
-    """megatron-core ``IndexedDataset`` over ``<prefix>.bin/.idx`` (memory-mapped).
+    """megatron-core ``IndexedDataset`` over ``<prefix>.bin/.idx`` (memory-mapped), the pair checked first.
 
     ``ds[i]`` is document ``i``'s token ids (numpy, the stored dtype); ``ds.sequence_lengths``
-    the length of every sequence in tokens.
+    the length of every sequence in tokens. The ``.bin`` must be exactly as long as the ``.idx``
+    says: the last document's byte offset plus its length x the dtype's size
+    (``megatron/core/datasets/indexed_dataset.py``, ``_IndexReader``); megatron-core itself checks
+    nothing and fails on the first document past the end ("offset must be non-negative and no
+    greater than buffer length"), naming no file.
 
     Raises:
         FileNotFoundError: the ``.bin`` or ``.idx`` is missing.
+        DamagedDataError: the ``.idx`` cannot be read, or the ``.bin`` is shorter or longer than it
+            says; the message names both files and how to remake them.
     """
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    missing = [p for p in (f"{prefix}.bin", f"{prefix}.idx") if not Path(p).is_file()]
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    missing = [str(p) for p in (bin_path, idx_path) if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{missing} not found: run notebook 01 first (python -m helpers.series run --only 01)")
-    return IndexedDataset(str(prefix))
+    remake = (f"Delete {bin_path.name} and {idx_path.name} (in {bin_path.parent}) and run notebook 01 again "
+              f"(python -m helpers.series run --only 01 --run-dir <this run folder>): it remakes both from the loose JSON.")
+    try:
+        ds = IndexedDataset(str(prefix))
+    except (ValueError, AssertionError, OSError) as err:
+        raise DamagedDataError(f"{prefix}.bin/.idx cannot be read ({type(err).__name__}: {err}). {remake}") from None
+    index = ds.index
+    expected = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if len(index) else 0
+    actual = bin_path.stat().st_size
+    if actual != expected:
+        del ds
+        raise DamagedDataError(
+            f"{bin_path} has {actual:,} bytes but {idx_path} describes {expected:,} ({len(index):,} documents of "
+            f"{index.dtype.__name__}): the pair does not belong together (a copy cut short, a disk that filled up, "
+            f"or files from two runs). {remake}")
+    return ds
 
 
 # --------------------------------------------------------------------------- the cached pipeline
@@ -309,7 +336,8 @@ def data_paths(run_dir: str | os.PathLike) -> DataPaths:
     """What notebook 01 left in ``{run_dir}/data``, read back without building anything.
 
     Raises:
-        FileNotFoundError: notebook 01 has not finished in this folder (the message is the command).
+        FileNotFoundError: notebook 01 has not finished in this folder (the message is the command),
+            or its tokenizer folder lacks a file (:func:`helpers.tokenizer.check_folder`).
     """
     manifest = data_manifest(run_dir)
     data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
@@ -317,7 +345,7 @@ def data_paths(run_dir: str | os.PathLike) -> DataPaths:
     if not {"preprocess", "tokenizer"} <= set(manifest) or not Path(f"{prefix}.idx").is_file():
         raise FileNotFoundError(f"{prefix}.bin/.idx not found: notebook 01 makes them "
                                 f"(python -m helpers.series run --only 01 --run-dir {run_dir})")
-    return DataPaths(jsonl=data_dir / JSONL_NAME, tokenizer_dir=data_dir / TOKENIZER_DIR, data_prefix=prefix,
+    return DataPaths(jsonl=data_dir / JSONL_NAME, tokenizer_dir=tokenizer_mod.check_folder(data_dir / TOKENIZER_DIR), data_prefix=prefix,
                      num_documents=manifest["preprocess"]["num_documents"],
                      vocab_size=manifest["tokenizer"]["vocab_size"], split=manifest["settings"]["split"],
                      settings=manifest["settings"])

@@ -1,7 +1,8 @@
 """Recorded results of a run: ``summary.json``, figures, and the one table formatter.
 
 Every notebook records its key results with :func:`record`; the series runner adds each
-notebook's wall time. Tests and benchmarks read the same file back with :func:`load_summary`.
+notebook's wall time, and keeps a notebook's results apart until it succeeds (:data:`ATTEMPT_ENV`),
+so a failed rerun never overwrites the last good ones. Tests and benchmarks read the same file back with :func:`load_summary`.
 
 Layout of a run folder (see the README)::
 
@@ -11,12 +12,15 @@ Layout of a run folder (see the README)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from helpers.run_guard import explain_disk_full
 
 SUMMARY_FILE = "summary.json"
 
@@ -49,13 +53,69 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def load_summary(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """``summary.json`` of a run as a dict (empty when nothing was recorded yet)."""
-    path = Path(run_dir) / SUMMARY_FILE
+#: Set by the series runner (:func:`helpers.series.run`) for the notebook it executes: the file that
+#: notebook's results go to until it succeeds, ``{run}/executed/last-attempt/{stem}.results.json``.
+#: The runner then merges them into ``summary.json`` (:func:`commit_attempt`); a failed attempt
+#: leaves ``summary.json``, and the last good results in it, as they were.
+ATTEMPT_ENV = "HELPERS_ATTEMPT_RESULTS"
+
+
+def attempt_results(run_dir: str | os.PathLike) -> Path | None:
+    """The runner's attempt file (:data:`ATTEMPT_ENV`) when this process runs a notebook into ``run_dir``, else None."""
+    value = os.environ.get(ATTEMPT_ENV)
+    if not value:
+        return None
+    path = Path(value)
+    return path if path.parent.parent.parent == Path(run_dir).expanduser().resolve() else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder, fsynced and
+    renamed over it (``os.replace``), with the mode ``open()`` gives (:func:`mkstemp_readable`):
+    a crash or a full disk leaves the old file as it was and no temporary file behind.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        helpers.run_guard.DiskFullError: the disk filled up (``ENOSPC``); the message names the folder.
+    """
+    path = Path(path)
+    with explain_disk_full(path.parent, len(text.encode()), f"writing {path.name}",
+                           "write the run into a folder on another disk"):
+        fd, tmp = mkstemp_readable(path.parent, f".{path.name}.", ".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return path
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """``data`` as indented JSON with sorted keys, written by :func:`write_atomic`."""
+    return write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_summary(run_dir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """``summary.json`` of a run as a dict (empty when nothing was recorded yet); in a notebook the
+    series runner executes, with that notebook's results so far in place of its last good ones."""
+    summary = _read_json(Path(run_dir) / SUMMARY_FILE)
+    pending = attempt_results(run_dir)
+    if pending is not None:
+        summary.update(_read_json(pending))
+    return summary
 
 
 def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> Any:
@@ -63,6 +123,8 @@ def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> 
 
     The file is rewritten atomically (temporary file + rename), so a crash never leaves
     a half-written summary. Returns ``value`` so a notebook can record and show in one line.
+    In a notebook the series runner executes, the value goes to the attempt's file
+    (:data:`ATTEMPT_ENV`) instead, and into ``summary.json`` when the notebook succeeds.
 
     Args:
         run_dir: the run folder.
@@ -72,16 +134,72 @@ def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> 
 
     Raises:
         TypeError: ``value`` cannot be stored as JSON.
+        helpers.run_guard.DiskFullError: the disk is full (the file stays as it was).
     """
     folder = run_path(run_dir)
-    summary = load_summary(folder)
-    summary.setdefault(notebook, {})[name] = _jsonable(value)
-    text = json.dumps(summary, indent=2, sort_keys=True)
-    fd, tmp = mkstemp_readable(folder, ".summary.", ".json")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-    os.replace(tmp, folder / SUMMARY_FILE)
+    target = attempt_results(folder) or folder / SUMMARY_FILE
+    data = _read_json(target)
+    data.setdefault(notebook, {})[name] = _jsonable(value)
+    write_json(target, data)
     return value
+
+
+def start_attempt(folder: str | os.PathLike, notebook_name: str) -> tuple[Path, Path]:
+    """``(executed notebook, results file)`` of a new attempt at ``notebook_name`` (``NN_stem.ipynb``)
+    in ``folder`` (the runner's ``executed/last-attempt/``); an earlier failed attempt at the same
+    notebook is removed, since this one replaces it."""
+    folder, stem = Path(folder), Path(notebook_name).stem
+    folder.mkdir(parents=True, exist_ok=True)
+    notebook, pending = folder / notebook_name, folder / f"{stem}.results.json"
+    notebook.unlink(missing_ok=True)
+    pending.unlink(missing_ok=True)
+    figures = _attempt_figures(pending)
+    if figures.is_dir():
+        for old in figures.iterdir():
+            old.unlink()
+    return notebook, pending
+
+
+@contextlib.contextmanager
+def attempt_env(pending: str | os.PathLike) -> Iterator[None]:
+    """Set :data:`ATTEMPT_ENV` to ``pending`` for the block: a kernel started in it records there."""
+    before = os.environ.get(ATTEMPT_ENV)
+    os.environ[ATTEMPT_ENV] = str(pending)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ATTEMPT_ENV, None)
+        else:
+            os.environ[ATTEMPT_ENV] = before
+
+
+def commit_attempt(run_dir: str | os.PathLike, pending: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Make a successful attempt's results the run's: each notebook section of ``pending`` replaces that
+    section of ``summary.json`` (a rerun's results, not a mix with the last run's), and its figures
+    (``{stem}.figures/`` beside ``pending``) replace those of the same name in ``figures/``.
+    ``pending`` and the figures folder are removed.
+
+    Returns:
+        The new summary.
+    """
+    folder, pending = Path(run_dir).expanduser().resolve(), Path(pending)
+    summary = _read_json(folder / SUMMARY_FILE)
+    summary.update(_read_json(pending))
+    write_json(folder / SUMMARY_FILE, summary)
+    pending.unlink(missing_ok=True)
+    figures = _attempt_figures(pending)
+    if figures.is_dir():
+        (folder / "figures").mkdir(exist_ok=True)
+        for path in figures.iterdir():
+            os.replace(path, folder / "figures" / path.name)
+        figures.rmdir()
+    return summary
+
+
+def _attempt_figures(pending: Path) -> Path:
+    """Where an attempt's figures wait: ``{stem}.figures/`` beside its results file."""
+    return pending.with_name(pending.name.replace(".results.json", ".figures"))
 
 
 def mkstemp_readable(folder: str | os.PathLike, prefix: str, suffix: str = "") -> tuple[int, str]:
@@ -123,9 +241,11 @@ def _umask() -> int:
 
 
 def _figure_path(run_dir: str | os.PathLike, name: str) -> Path:
-    """Where figure ``name`` (without extension) of this run is saved: ``<run>/figures/<name>.png``."""
-    folder = run_path(run_dir) / "figures"
-    folder.mkdir(exist_ok=True)
+    """Where figure ``name`` (without extension) of this run is saved: ``<run>/figures/<name>.png``
+    (in a notebook the series runner executes, the attempt's folder until the notebook succeeds)."""
+    pending = attempt_results(run_path(run_dir))
+    folder = run_path(run_dir) / "figures" if pending is None else _attempt_figures(pending)
+    folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{name}.png"
 
 

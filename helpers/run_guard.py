@@ -1,4 +1,5 @@
-"""Two guards for a training job: it stops when its launcher dies, and one job trains a run folder at a time.
+"""Guards for a run folder: its training job stops when its launcher dies, one job trains it at a
+time, and a folder that cannot be written or has too little space is refused before anything starts.
 
 torch elastic starts every worker in a session of its own, so killing the launcher's process
 group (``kill -9 -PGID``, a closed laptop lid, a crashed kernel) does not reach the trainer: it
@@ -19,17 +20,24 @@ would go on writing checkpoints and metrics into a run folder that a rerun is al
   kernels included) gives megatron-core's checkpoint writer a plain in-process result queue,
   instead of the ``multiprocessing`` Manager it spawns at a process's first save, which
   re-imports the program and outlives a killed one.
+- :func:`check_writable` refuses a run folder this process cannot write (a read-only file system,
+  no permission), and :func:`check_free_space` one whose disk has less free space than a step will
+  write; :func:`explain_disk_full` turns a disk that fills up anyway (``ENOSPC``) into
+  :class:`DiskFullError`, whose message names the folder, the space needed and free, and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime
@@ -42,6 +50,20 @@ LOCK_NAME = "training.lock"
 
 class RunFolderBusyError(RuntimeError):
     """Another job holds the run folder's training lock."""
+
+
+class RunFolderNotWritableError(PermissionError):
+    """The run folder (or the folder it would be made in) cannot be written."""
+
+
+class DiskFullError(OSError):
+    """The disk of a run folder has, or had, too little free space for what a step writes (``errno.ENOSPC``)."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def _start_time(pid: int) -> str | None:
@@ -178,3 +200,101 @@ def checkpoint_queue_in_process() -> bool:
         return False
     filesystem_async._results_queue = queue.Queue()
     return True
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where a new folder would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(folder: str | os.PathLike) -> Path:
+    """Refuse a run folder this process cannot write, before anything is made in it.
+
+    Writes and deletes a probe file in ``folder``, or in its nearest existing ancestor when it does
+    not exist yet (where ``mkdir`` would make it). ``os.access`` is not enough: it reports a
+    root-owned folder writable to root even on a read-only mount in some containers.
+
+    Returns:
+        ``folder`` resolved.
+
+    Raises:
+        RunFolderNotWritableError: a read-only file system (``EROFS``), no write permission
+            (``EACCES``/``EPERM``) or another error of the probe; the message names the folder and the fix.
+        NotADirectoryError: ``folder`` (or the ancestor) is a file.
+    """
+    path = Path(folder).expanduser().resolve()
+    where = _existing(path)
+    if not where.is_dir():
+        raise NotADirectoryError(f"run folder {path}: {where} is a file, not a folder; pass a folder path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        why = {errno.EROFS: "it is on a read-only file system", errno.EACCES: "this user may not write there",
+               errno.EPERM: "this user may not write there", errno.ENOSPC: "its disk is full"}.get(err.errno, err.strerror)
+        inside = "" if where == path else f" (it does not exist yet; it would be made in {where})"
+        raise RunFolderNotWritableError(
+            f"the run folder {path} cannot be written{inside}: {why} ([Errno {err.errno}]). Pick a folder you can "
+            f"write: --run-dir ~/runs/NAME for python -m helpers.series, run_dir= in a notebook; or make this one "
+            f"writable. Nothing was started and nothing was changed.") from None
+    return path
+
+
+def free_bytes(folder: str | os.PathLike) -> int:
+    """Free bytes, for this user, on the disk that holds ``folder`` (or would: its nearest existing ancestor)."""
+    return shutil.disk_usage(_existing(Path(folder).expanduser().resolve())).free
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KB"``; decimal units (kB = 1000 bytes), as ``df -H`` and disk makers count."""
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def disk_full_message(folder: str | os.PathLike, needed: float | None, what: str, fix: str) -> str:
+    """The message of a :class:`DiskFullError`: the folder, what needs the space, needed (``None``:
+    unknown) and free, the fix."""
+    path = Path(folder).expanduser().resolve()
+    need = f"needs about {human_bytes(needed)}" if needed is not None else "needs more"
+    return (f"The disk holding {path} has {human_bytes(free_bytes(path))} free, and {what} {need}. "
+            f"Free space there (delete old runs: rm -r runs/<old run>), or {fix}.")
+
+
+def check_free_space(folder: str | os.PathLike, needed: float, what: str, fix: str) -> None:
+    """Refuse a step that would write ``needed`` bytes into ``folder`` when its disk has less free.
+
+    Args:
+        folder: where the step writes (need not exist yet).
+        needed: bytes the step will write (an estimate: name its source in ``what``).
+        what: what needs the space, e.g. ``"training (4 checkpoints of 41 MB, helpers.memory.checkpoint_bytes)"``.
+        fix: the other way out besides freeing space, e.g. ``"train into a run folder on a bigger disk (run_dir=)"``.
+
+    Raises:
+        DiskFullError: too little free space; nothing was written.
+    """
+    if free_bytes(folder) < needed:
+        raise DiskFullError(disk_full_message(folder, needed, what, fix) + " Nothing was written.")
+
+
+@contextlib.contextmanager
+def explain_disk_full(folder: str | os.PathLike, needed: float | None, what: str, fix: str) -> Iterator[None]:
+    """Turn an ``OSError`` with ``errno.ENOSPC`` (a disk that filled up during the block) into a
+    :class:`DiskFullError` naming ``folder``, the space needed and free, and the fix (see
+    :func:`check_free_space` for the arguments). Other errors pass through unchanged.
+    """
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise DiskFullError(f"The disk filled up while {what} was written ([Errno 28] {err.strerror}"
+                            + (f": {err.filename}" if err.filename else "") + "). "
+                            + disk_full_message(folder, needed, what, fix)) from err

@@ -10,7 +10,11 @@ Command line::
 
 Each notebook is executed in order into ``runs/<name>/executed/`` with the shared run folder
 passed as its ``run_dir`` parameter; ``runs/latest`` points at the newest run folder, and
-``summary.json`` collects what each notebook recorded plus its wall seconds.
+``summary.json`` collects what each notebook recorded plus its wall seconds. A notebook runs
+first into ``executed/last-attempt/`` with its results and figures kept apart there; only when
+it succeeds do they replace its last good ones, so a failed rerun destroys nothing (the failed
+attempt stays in ``last-attempt/`` to read). A run folder that cannot be written, or whose disk
+is too full for notebook 03's checkpoints, is refused before anything starts.
 
 A profile maps notebook stems (or ``"all"``, for every notebook that has the parameter) to
 parameter overrides. A notebook's own defaults are the ``cpu`` profile. Overrides given with
@@ -39,7 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from helpers import report, results
+from helpers import report, results, run_guard
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -117,6 +121,9 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "06_conversion": ("01_data_preprocessing", "03_training"),
     "07_evaluation": ("01_data_preprocessing", "03_training", "06_conversion"),
 }
+
+#: Where a notebook is executed until it succeeds: ``{run}/executed/last-attempt/`` (see the module's docstring).
+ATTEMPT_DIR = "last-attempt"
 
 #: Per-cell timeout (seconds) for papermill, by profile.
 CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 7200, "gpu": 7200, "codeparrot-small": None}
@@ -369,7 +376,11 @@ def run(
     Raises:
         ParameterError: bad profile or parameter (before anything runs).
         NotebookError: a cell failed; the message names the notebook, the cell, the error and
-            the partly executed notebook, which is saved.
+            the partly executed notebook, which is kept in ``executed/last-attempt/`` (the last
+            good executed notebook and its results stay in place).
+        helpers.run_guard.RunFolderNotWritableError: the run folder cannot be written (nothing started).
+        helpers.run_guard.DiskFullError: too little free space for notebook 03's checkpoints
+            (nothing started), or the disk filled up while a notebook was written.
     """
     profile = profile or default_profile()
     selected = _select(notebooks(), only)
@@ -377,7 +388,7 @@ def run(
         raise ParameterError(f"no notebooks NN_*.ipynb found in {NOTEBOOK_DIR}")
     if run_dir is None:
         run_dir = RUNS_DIR / f"{profile}-{datetime.now():%Y%m%d-%H%M%S}"
-    folder = Path(run_dir).expanduser().resolve()
+    folder = run_guard.check_writable(run_dir)  # a read-only folder: refused before anything is made
     stems = {p.stem for p in selected}
     before = sorted({s for p in selected for s in stages_needed(p.stem, folder)} - stems)
     if before:
@@ -401,11 +412,18 @@ def run(
         if path.stem == "03_training" and plan is not None and plan.epochs is None:
             _print_preflight(selected, params, folder)  # notebook 01 has made the data now: the epochs are known
         print(f"[{i}/{len(selected)}] {path.stem} ...", flush=True)
+        attempt, pending = results.start_attempt(executed / ATTEMPT_DIR, path.name)
         try:
-            wall = _execute(path, output, params[path.stem], timeout, log_output)
+            with results.attempt_env(pending):  # the kernel's results wait in pending
+                wall = _execute(path, attempt, params[path.stem], timeout, log_output, last_good=output)
         except NotebookError:
             _report_card(report.write, folder)  # what the run has so far; "finished: never"
             raise
+        results.commit_attempt(folder, pending)  # it succeeded: its results and figures become the run's
+        if attempt.exists():
+            os.replace(attempt, output)
+        if not any(attempt.parent.iterdir()):  # no failed attempt at another notebook is kept there
+            attempt.parent.rmdir()
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
         done.append(NotebookRun(path.stem, output, wall))
         print(f"[{i}/{len(selected)}] {path.stem} done in {wall:.1f} s", flush=True)
@@ -431,20 +449,25 @@ def _select(paths: list[Path], only: Iterable[str] | None, what: str = "notebook
     return selected
 
 
-def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int | None, log_output: bool) -> float:
-    """Execute one notebook with papermill (cwd: its folder; kernel over IPC sockets).
+def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int | None, log_output: bool,
+             last_good: Path | None = None) -> float:
+    """Execute one notebook with papermill (cwd: its folder; kernel over IPC sockets) into ``output``.
 
     Returns:
         The wall time in seconds.
 
     Raises:
-        NotebookError: a cell failed, the kernel died or a cell ran past ``timeout`` seconds.
+        NotebookError: a cell failed, the kernel died or a cell ran past ``timeout`` seconds; the
+            message names ``output`` (run up to the failing cell) and ``last_good`` when it exists.
+        helpers.run_guard.DiskFullError: the disk filled up while papermill wrote ``output``.
     """
     import papermill
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir:
+    with tempfile.TemporaryDirectory(prefix="kernel-") as ipc_dir, run_guard.explain_disk_full(
+            output.parent, None, f"notebook {path.stem} (its executed notebook {output}, kept as it is: not a result)",
+            "write the run into a folder on another disk (--run-dir)"):
         try:
             papermill.execute_notebook(
                 str(path), str(output), parameters=parameters, cwd=str(path.parent),
@@ -452,7 +475,7 @@ def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int 
                 execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
             )
         except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
-            raise NotebookError(_failure_text(path.stem, err, output)) from None
+            raise NotebookError(_failure_text(path.stem, err, output, last_good)) from None
     return time.perf_counter() - start
 
 
@@ -522,6 +545,7 @@ def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], fo
         ParameterError: the data exists and the run would read it more than ``max_epochs`` times;
             values no run can have (a global batch that does not divide, ``train_iters=0``...);
             data that cannot be read.
+        helpers.run_guard.DiskFullError: the run's checkpoints would not fit on the disk.
     """
     from helpers import preflight, preprocess
 
@@ -538,8 +562,11 @@ def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], fo
         plan = preflight.plan_for_parameters(values, vocab, folder)
         print("Preflight of 03_training (helpers/preflight.py):\n  " + plan.text().replace("\n", "\n  "), flush=True)
         preflight.check_repeats(plan, values.get("max_epochs", preflight.MAX_EPOCHS))
-    except preflight.RepeatedDataError as err:
+        preflight.check_disk(plan, folder)
+    except (preflight.RepeatedDataError, preprocess.DamagedDataError) as err:
         raise ParameterError(str(err)) from None
+    except run_guard.DiskFullError:
+        raise
     except (TypeError, ValueError, OSError) as err:  # values no run can have, unreadable data: before anything runs
         raise ParameterError(f"notebook 03 cannot train with these parameters: {err}") from None
     return plan
@@ -570,21 +597,25 @@ def _ipc_kernel_manager(folder: Path):
     return IPCKernelManager
 
 
-def _failure_text(stem: str, err, output: Path) -> str:
+def _failure_text(stem: str, err, output: Path, last_good: Path | None = None) -> str:
     """What a failed notebook prints last: the notebook, its cell, the error without the job's log
-    tail (``helpers.launch.LaunchError`` puts the rank, exception and files after it), and the
-    executed notebook."""
+    tail (``helpers.launch.LaunchError`` puts the rank, exception and files after it), the
+    executed notebook, and the last good one that stays in place."""
+    where = f"  executed notebook (run up to the failing cell): {output}"
+    pending = output.parent / f"{stem}.results.json"
+    if last_good is not None and output != last_good:
+        where += ((f"\n  its results so far: {pending} (not in {results.SUMMARY_FILE})" if pending.exists() else "")
+                  + (f"\n  the last good run of {stem} is kept: {last_good} and its results in {results.SUMMARY_FILE}"
+                     if last_good.exists() else ""))
     if not hasattr(err, "evalue"):  # the kernel died or a cell ran past its timeout
-        return (f"notebook {stem} failed: {type(err).__name__}: {err}\n"
-                f"  executed notebook (run up to the failing cell): {output}")
+        return f"notebook {stem} failed: {type(err).__name__}: {err}\n{where}"
     value = str(err.evalue)
     if "\n--- last lines of the log ---\n" in value:
         head, rest = value.split("\n--- last lines of the log ---\n", 1)
         value = head + ("\n" + rest.split("\n--- the failure ---\n", 1)[1] if "\n--- the failure ---\n" in rest else "")
     cell = f"cell In [{err.exec_count}]" if err.exec_count else f"cell {err.cell_index} (0-based)"
     body = "\n".join("  " + line for line in value.splitlines())
-    return (f"notebook {stem} failed in {cell}: {err.ename}\n{body}\n"
-            f"  executed notebook (run up to the failing cell): {output}")
+    return f"notebook {stem} failed in {cell}: {err.ename}\n{body}\n{where}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -621,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         overrides = dict(parse_override(p) for p in args.param)
         run(args.profile, overrides, run_dir=args.run_dir, only=args.only, log_output=args.log_output)
-    except ParameterError as err:
+    except (ParameterError, run_guard.RunFolderNotWritableError, run_guard.DiskFullError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except NotebookError as err:

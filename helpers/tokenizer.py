@@ -40,6 +40,30 @@ def tokenizer_exists(out_dir: str | os.PathLike) -> bool:
     return all((Path(out_dir) / name).is_file() for name in TOKENIZER_FILES)
 
 
+def check_folder(tokenizer_dir: str | os.PathLike) -> Path:
+    """Check that ``tokenizer_dir`` holds every file of :data:`TOKENIZER_FILES`; the one check every
+    reader of the folder makes first (data_paths, the training config, the loaders).
+
+    Returns:
+        The folder as a :class:`~pathlib.Path`.
+
+    Raises:
+        FileNotFoundError: the folder or a file is missing; the message names them and how to
+            rebuild the folder (notebook 01 retrains it from the loose JSON beside it; the
+            ``.bin/.idx`` made with the old tokenizer are remade with it).
+    """
+    folder = Path(tokenizer_dir).expanduser()
+    missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
+    if not missing:
+        return folder
+    what = "does not exist" if not folder.is_dir() else f"lacks {', '.join(missing)}"
+    raise FileNotFoundError(
+        f"the tokenizer folder {folder} {what} (a tokenizer is {', '.join(TOKENIZER_FILES)}). Rebuild it: delete "
+        f"{folder} and the .bin/.idx beside it (their token ids come from the tokenizer), then run notebook 01 "
+        f"again (python -m helpers.series run --only 01 --run-dir <this run folder>), which retrains it from the "
+        f"loose JSON; or pass tokenizer_dir= a complete folder.")
+
+
 def train_tokenizer(
     texts: Iterable[str],
     out_dir: str | os.PathLike,
@@ -139,13 +163,11 @@ def load_fast_tokenizer(tokenizer_dir: str | os.PathLike):
     encoded as ordinary text: the only EOD ids in the data are the appended ones.
 
     Raises:
-        FileNotFoundError: no ``tokenizer.json`` in the folder.
+        FileNotFoundError: a file of the folder is missing (:func:`check_folder`).
     """
     from tokenizers import Tokenizer
 
-    path = Path(tokenizer_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: train the tokenizer first (notebook 01)")
+    path = check_folder(tokenizer_dir) / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.encode_special_tokens = True
     return tokenizer
@@ -188,15 +210,12 @@ def load_tokenizer(tokenizer_dir: str | os.PathLike):
         A ``transformers`` fast tokenizer (``GPT2Tokenizer`` backed by ``tokenizers``).
 
     Raises:
-        FileNotFoundError: the folder lacks a file of :data:`helpers.tokenizer.TOKENIZER_FILES`.
+        FileNotFoundError: the folder lacks a file of :data:`helpers.tokenizer.TOKENIZER_FILES` (:func:`check_folder`).
         ValueError: the loaded tokenizer's size or EOD id differs from ``vocab.json``.
     """
     from transformers import AutoTokenizer
 
-    folder = Path(tokenizer_dir)
-    missing = [n for n in TOKENIZER_FILES if not (folder / n).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{folder} lacks {missing}: train the tokenizer in notebook 01")
+    folder = check_folder(tokenizer_dir)
     tok = AutoTokenizer.from_pretrained(str(folder))
     expected = vocab_size_of(folder)
     if len(tok) != expected:

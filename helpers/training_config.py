@@ -252,10 +252,9 @@ class TrainingConfig:
         if self.pretrained_checkpoint and not (Path(self.pretrained_checkpoint) / "latest_checkpointed_iteration.txt").exists():
             raise FileNotFoundError(f"pretrained_checkpoint={self.pretrained_checkpoint} holds no checkpoint "
                                     "(latest_checkpointed_iteration.txt): pass a checkpoints folder")
-        if not (self.tokenizer_path / "vocab.json").exists():
-            raise FileNotFoundError(f"no tokenizer in {self.tokenizer_path} (vocab.json): run notebook 01 first")
         from helpers import tokenizer as tokenizer_lib
 
+        tokenizer_lib.check_folder(self.tokenizer_path)
         tok_size = tokenizer_lib.vocab_size_of(self.tokenizer_path)
         if tok_size != self.model.vocab_size:
             raise ValueError(

@@ -107,9 +107,26 @@ def test_a_missing_text_column_names_the_columns_and_text_key(tmp_path):
     numbers = _jsonl(tmp_path / "numbers.jsonl", [1, 2])
     with pytest.raises(ValueError, match=r"row 0: column 'content' holds 1 \(int\), not text; pass a text column"):
         list(hub_datasets.read_dataset(f"hf:json:{numbers}"))
-    missing = _jsonl(tmp_path / "missing.jsonl", [GOOD, None])
-    with pytest.raises(ValueError, match=r"row 1: column 'content' holds None \(NoneType\), not text"):
-        list(hub_datasets.read_dataset(f"hf:json:{missing}", streaming=False))
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "downloaded"])
+def test_rows_without_text_are_counted_and_skipped_or_refused_on_request(tmp_path, streaming):
+    """Issue 24 item 5: one row of 32 with None in the text column no longer refuses the source."""
+    texts = [GOOD + f"# {i}\n" for i in range(32)]
+    texts[7] = None
+    data = _jsonl(tmp_path / "rows.jsonl", texts)
+    result = corpus.collect_corpus(f"hf:json:{data}", hf_streaming=streaming)
+    assert result.num_read == 32 and len(result.documents) == 31
+    assert result.removed["missing"] == 1 and result.removed_paths["missing"] == ["json:train:7"]
+    assert sum(result.removed.values()) == 1
+    with pytest.raises(ValueError, match=r"row 7: 'content' holds no text \(None / null\).*missing_text='skip'"):
+        corpus.collect_corpus(f"hf:json:{data}", hf_streaming=streaming, missing_text="refuse")
+    plain = corpus.collect_corpus(data)  # the same file as plain JSON Lines: its null counted the same way
+    assert plain.removed["missing"] == 1 and len(plain.documents) == 31
+    with pytest.raises(ValueError, match=r"rows.jsonl:8: line 8: 'content' holds no text"):
+        corpus.collect_corpus(data, missing_text="refuse")
+    with pytest.raises(ValueError, match=r"missing_text='drop': choose 'skip' or 'refuse'"):
+        corpus.collect_corpus(data, missing_text="drop")
 
 
 @pytest.mark.parametrize("source, error, match", [

@@ -38,7 +38,7 @@ def test_tokens_per_epoch_are_the_training_documents_of_the_idx(run_with_data):
 def test_an_unreadable_idx_is_named_with_the_fix(tmp_path):
     (tmp_path / "d.bin").write_bytes(b"")
     (tmp_path / "d.idx").write_bytes(b"not an index")
-    with pytest.raises(ValueError, match=r"d.idx cannot be read .*rerun notebook 01"):
+    with pytest.raises(ValueError, match=r"d.bin/.idx cannot be read .*run notebook 01 again"):
         preflight.train_tokens_per_epoch(tmp_path / "d", "90,8,2")
     with pytest.raises(FileNotFoundError, match="notebook 01"):
         preflight.train_tokens_per_epoch(tmp_path / "missing", "90,8,2")
@@ -177,6 +177,7 @@ def test_the_runner_checks_again_once_notebook_01_has_made_the_data(run_with_dat
             shutil.copytree(run_with_data / "data", tmp_path / "fresh" / "data")
 
     monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    monkeypatch.setattr(preflight, "check_disk", lambda plan, folder: None)  # the guide's 75 checkpoints: ~100 GB
     with pytest.raises(series.ParameterError, match="epochs .* more than max_epochs=16"):
         series.run("codeparrot-small", run_dir=tmp_path / "fresh", only=["01", "03"])
     assert ran == ["01_data_preprocessing"]  # notebook 03 never started

@@ -57,14 +57,14 @@ def test_atomic_writes_are_readable_by_others(tmp_path):
     latest_checkpointed_iteration.txt were unreadable to anyone but their writer."""
     import stat
 
-    from helpers import checkpointing, corpus, data_stage, preprocess
+    from helpers import corpus, data_stage, preprocess
 
     old = os.umask(0o022)
     try:
         results.record(tmp_path, "nb", "x", 1)
         corpus.write_jsonl([corpus.Document("x = 1\n", "a.py")], tmp_path / "c.json")
         data_stage._write_manifest(tmp_path, {"settings": {}})
-        checkpointing._write_atomic(tmp_path / "t.txt", "1")
+        results.write_atomic(tmp_path / "t.txt", "1")
     finally:
         os.umask(old)
     for name in (results.SUMMARY_FILE, "c.json", preprocess.MANIFEST_NAME, "t.txt"):

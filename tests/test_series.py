@@ -182,10 +182,66 @@ def test_a_failing_notebook_ends_with_its_name_the_cause_and_the_executed_notebo
     assert last[0] == "error: notebook 02_fails failed in cell In [3]: LaunchError"
     assert last[1] == "  torchrun job failed: rank 1 exited with an error (exit code 1): EOFError"
     assert last[2:4] == ["  rank:       rank 1 (the first to fail)", "  the log of every rank: /x/training.log"]
-    executed = run_dir.resolve() / "executed" / "02_fails.ipynb"
+    executed = run_dir.resolve() / "executed" / series.ATTEMPT_DIR / "02_fails.ipynb"  # a failed attempt: not a result
     assert last[4] == f"  executed notebook (run up to the failing cell): {executed}" and executed.exists()
+    assert not (run_dir / "executed" / "02_fails.ipynb").exists()
     assert "a line of the log tail" not in captured.err
     assert "without encryption" not in captured.out + captured.err
+
+
+def test_a_failed_rerun_keeps_the_last_good_notebook_results_and_figures(tiny_series, capfd):
+    """Issue 24 item 6: a rerun that fails leaves the finished notebook, its summary entries and its
+    figures as they were, and keeps the failed attempt beside them; a rerun that succeeds replaces
+    the notebook's entries whole (none of the old run's is left mixed in)."""
+    _notebook(tiny_series / "02_rerun.ipynb",
+              'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nfail: bool = False  # fail\n'
+              'tag: str = "good"  # the run\n',
+              "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nfrom helpers import results\n"
+              "results.record(run_dir, '02_rerun', 'tag', tag)\n"
+              "if tag == 'good':\n    results.record(run_dir, '02_rerun', 'only_in_the_first', 1)\n"
+              "fig, ax = plt.subplots()\nax.set_title(tag)\nresults.save_figure(fig, run_dir, 'rerun_plot')\n"
+              "assert results.load_summary(run_dir)['02_rerun']['tag'] == tag  # a notebook reads its own results back\n"
+              "if fail:\n    raise RuntimeError('the rerun fails here')")
+    run_dir = tiny_series.parent / "runs" / "r1"
+    series.run("tiny", run_dir=run_dir, only=["02"])
+    executed, figure = run_dir / "executed" / "02_rerun.ipynb", run_dir / "figures" / "rerun_plot.png"
+    good = (executed.read_bytes(), results.load_summary(run_dir)["02_rerun"], figure.read_bytes())
+    assert good[1]["tag"] == "good" and good[1]["only_in_the_first"] == 1
+    assert not (run_dir / "executed" / series.ATTEMPT_DIR).exists()  # a success leaves no attempt behind
+
+    with pytest.raises(series.NotebookError) as err:
+        series.run("tiny", {"fail": True, "tag": "bad"}, run_dir=run_dir, only=["02"])
+    attempt = run_dir.resolve() / "executed" / series.ATTEMPT_DIR
+    assert f"executed notebook (run up to the failing cell): {attempt / '02_rerun.ipynb'}" in str(err.value)
+    assert f"the last good run of 02_rerun is kept: {executed.resolve()}" in str(err.value)
+    assert (executed.read_bytes(), results.load_summary(run_dir)["02_rerun"], figure.read_bytes()) == good
+    assert '"tag": "bad"' in (attempt / "02_rerun.results.json").read_text()  # the failed attempt, kept to read
+    assert (attempt / "02_rerun.figures" / "rerun_plot.png").exists()
+
+    series.run("tiny", {"tag": "new"}, run_dir=run_dir, only=["02"])
+    summary = results.load_summary(run_dir)["02_rerun"]
+    assert summary["tag"] == "new" and "only_in_the_first" not in summary and summary["wall_seconds"] > 0
+    assert figure.read_bytes() != good[2] and executed.read_bytes() != good[0]
+    assert not attempt.exists()
+
+
+def test_a_read_only_run_folder_is_refused_before_anything_starts(tiny_series, tmp_path, capfd):
+    """Issue 24 item 2: EROFS/EACCES named with the folder and the fix, not a 34-line traceback."""
+    import os
+
+    if os.geteuid() == 0:  # root writes through mode bits; a read-only mount needs a namespace
+        pytest.skip("running as root: covered by test_run_folder_faults.py (a read-only mount)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        for run_dir in (ro, ro / "new"):
+            assert series.main(["run", "--profile", "tiny", "--run-dir", str(run_dir), "--only", "00"]) == 2
+            err = capfd.readouterr().err
+            assert f"the run folder {run_dir} cannot be written" in err and "--run-dir" in err
+            assert not (ro / "new").exists()
+    finally:
+        ro.chmod(0o755)
 
 
 def test_require_refuses_a_file_as_run_folder_and_parse_override_an_empty_name(tmp_path):

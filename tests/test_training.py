@@ -227,6 +227,23 @@ def test_megatron_lms_loop_trains_and_records_everything(uninterrupted):
         launch.train(replace(cfg, lr=1e-3), progress=False)
 
 
+def test_the_preflights_checkpoint_estimate_matches_the_saves_megatron_lm_made(uninterrupted):
+    """Issue 24 item 1: the disk check counts the saves Megatron-LM makes and sizes them from above,
+    close enough not to refuse a run that fits (at most 15 % above for this smallest model, where
+    the fixed overhead weighs most)."""
+    from helpers import memory, preflight
+
+    cfg, _ = uninterrupted
+    saves = sorted(cfg.checkpoint_path.glob("iter_*"))
+    assert preflight.checkpoint_saves(cfg) == len(saves) == 3
+    assert preflight.checkpoint_saves(cfg, 4) == 2 and preflight.checkpoint_saves(cfg, 12) == 0
+    assert preflight.checkpoint_saves(replace(cfg, save_interval=5)) == 3  # 5, 10 and the end, 12
+    estimate = memory.checkpoint_bytes(cfg.model, "fp32")
+    for folder in saves:
+        actual = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        assert actual <= estimate <= 1.15 * actual, (folder.name, actual, estimate)
+
+
 def test_the_core_loop_of_notebook_03_trains_the_same_weights_bit_for_bit(uninterrupted):
     """helpers.core_loop (notebook 03 section 5 as functions) against Megatron-LM's loop, same config:
     the iteration-4 weights are bit-identical, and every loss agrees to one float32 rounding."""
