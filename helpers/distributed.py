@@ -2,7 +2,7 @@
 
 :func:`initialize_distributed` is what Megatron-LM's ``initialize_megatron`` does for the series:
 ``torch.distributed`` (NCCL on GPUs, gloo on a CPU with :mod:`helpers.cpu_compat`'s shims),
-megatron-core's model-parallel groups and the seeded RNG streams. Notebook 03 (section 5.1-5.2)
+megatron-core's model-parallel groups and the seeded RNG streams. Notebook 03 (section 5.2)
 writes the same calls out in cells; the training script, the checkpoint loader and the
 converter call this function. :func:`single_process` is the same for one block of a notebook
 (world size 1), torn down afterwards: the dataset builder, the benchmarks and the converter's

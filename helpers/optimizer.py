@@ -2,7 +2,7 @@
 
 Notebook 04 measures the AdamW implementations (:func:`make_adamw`); notebook 03 plots
 :func:`lr_schedule` against what Megatron-LM's loop logged. Training itself steps the optimizer
-megatron-core's ``get_megatron_optimizer`` builds (notebook 03, section 5.8).
+megatron-core's ``get_megatron_optimizer`` builds (notebook 03, section 5.6).
 
 Sources: megatron-core ``optimizer/__init__.py``, ``optimizer_param_scheduler.py``; torch
 ``optim/adamw.py``; Apex ``optimizers/fused_adam.py``; Loshchilov & Hutter 2019 (AdamW).

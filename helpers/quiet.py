@@ -117,7 +117,7 @@ KNOWN: tuple[KnownMessage, ...] = (
         "gptmodel_deprecated", r"GPTModel IS DEPRECATED", "log",
         "megatron-core models/gpt/gpt_model.py:121",
         "megatron-core asks new work to use HybridModel; the series teaches GPTModel, the model of "
-        "the reference guide (notebook 03, section 3, says why)",
+        "the reference guide (notebook 03, section 9, says why)",
         logger="megatron.core.models.gpt.gpt_model"),
     KnownMessage(
         "mcore_async_save_deprecated", r"MCore's async save is deprecated", "log",
@@ -125,6 +125,22 @@ KNOWN: tuple[KnownMessage, ...] = (
         "logged by every process's first torch_dist save, synchronous saves included: the series "
         "saves synchronously, and NVRx (the suggested async path) is a GPU-cluster tool",
         logger="megatron.core.dist_checkpointing.strategies.torch"),
+    KnownMessage(
+        "rerun_state_machine_implicit", r"Implicit initialization of Rerun State Machine!", "log",
+        "megatron-core rerun_state_machine.py:1387",
+        "a loop written with megatron-core alone (notebook 03 section 5, its train_gpt.py) reaches the rerun state "
+        "machine through the schedules without Megatron-LM's initialize_megatron, which sets it up explicitly",
+        logger="megatron.core.rerun_state_machine"),
+    KnownMessage(
+        "rerun_state_machine_mode", r"RerunStateMachine initialized in mode RerunMode.DISABLED", "log",
+        "megatron-core rerun_state_machine.py:241",
+        "that implicit set-up, in the default mode: disabled, as Megatron-LM's --rerun-mode default is",
+        logger="megatron.core.rerun_state_machine"),
+    KnownMessage(
+        "mimo_experimental", r"MimoModelConfig is experimental", "warning",
+        "megatron-core models/mimo/config/base_configs.py:37, imported by optimizer/__init__.py:1019",
+        "get_megatron_optimizer imports the multimodal MimoModel class to check whether it was given one; "
+        "the series builds no multimodal model"),
 )
 
 _counts: Counter[str] = Counter()

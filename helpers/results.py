@@ -136,11 +136,7 @@ def record(run_dir: str | os.PathLike, notebook: str, name: str, value: Any) -> 
         TypeError: ``value`` cannot be stored as JSON.
         helpers.run_guard.DiskFullError: the disk is full (the file stays as it was).
     """
-    folder = run_path(run_dir)
-    target = attempt_results(folder) or folder / SUMMARY_FILE
-    data = _read_json(target)
-    data.setdefault(notebook, {})[name] = _jsonable(value)
-    write_json(target, data)
+    record_many(run_dir, notebook, {name: value})
     return value
 
 
@@ -172,6 +168,20 @@ def attempt_env(pending: str | os.PathLike) -> Iterator[None]:
             os.environ.pop(ATTEMPT_ENV, None)
         else:
             os.environ[ATTEMPT_ENV] = before
+
+
+def record_many(run_dir: str | os.PathLike, notebook: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`record` for several results at once (one write): a notebook's recording cell at its end.
+
+    Returns:
+        ``values``. Raises as :func:`record`.
+    """
+    folder = run_path(run_dir)
+    target = attempt_results(folder) or folder / SUMMARY_FILE
+    data = _read_json(target)
+    data.setdefault(notebook, {}).update({name: _jsonable(value) for name, value in values.items()})
+    write_json(target, data)
+    return dict(values)
 
 
 def commit_attempt(run_dir: str | os.PathLike, pending: str | os.PathLike) -> dict[str, dict[str, Any]]:

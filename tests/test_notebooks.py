@@ -115,9 +115,12 @@ def test_exercises_that_raise_a_parameter_name_a_new_value(path):
             assert float(value) > float(defaults[name]), f"{path.name}: exercise raises {name} to {value}, default {defaults[name]}"
 
 
-#: The two functions megatron-core's schedules make every user write (notebook 03, section 5.6):
+#: The two functions megatron-core's schedules make every user write (notebook 03, section 5.5):
 #: they are the lesson, so they are written on the page, not hidden in helpers/.
 MEGATRON_CONTRACT = {"forward_step", "loss_func"}
+#: A cell that is a part of a standalone script a notebook writes out (first line ``# NAME.py · ...``,
+#: issue 25) may define what that script needs without the series' helpers.
+SCRIPT_PART = re.compile(r"^# \w+\.py · ")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -129,6 +132,8 @@ def test_no_logic_or_installs_in_notebooks(path):
         assert "import *" not in cell.source
         assert not re.search(r"^\s*[!%]\s*pip", cell.source, re.M), "no pip cells: the environment comes from requirements.txt"
         defined = set(re.findall(r"^(?:def|class) (\w+)", cell.source, re.M))
+        if SCRIPT_PART.match(cell.source):
+            continue
         assert defined <= MEGATRON_CONTRACT, f"{path.name}: define {sorted(defined - MEGATRON_CONTRACT)} in helpers/, not in the notebook"
 
 
@@ -185,6 +190,22 @@ def test_01_data_results(series_run):
     assert s["num_tokens"] > s["num_documents"] and s["bin_bytes"] == 2 * s["num_tokens"]
     assert s["engines_identical"] is True
     assert ("gigatoken_speedup" in s) == (encoders.resolve_engine() == "gigatoken")
+
+
+@pytest.mark.slow
+def test_03_writes_its_loop_as_a_standalone_script_that_prints_the_cells_losses(series_run):
+    """Issue 25: notebook 03's section 5 cells, written out as train_gpt.py, run in a process of their
+    own and print the cells' losses; the script needs megatron-core, torch, numpy and one helper line."""
+    run_dir, _, summary = series_run
+    assert summary["03_training"]["script_losses_equal"] is True
+    tree = ast.parse((run_dir / "train_gpt.py").read_text())
+    imported = {n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    third_party = {m.split(".")[0] for m in imported} - set(__import__("sys").stdlib_module_names)
+    assert third_party == {"torch", "numpy", "megatron", "helpers"}
+    from_helpers = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "helpers" for a in n.names]
+    assert from_helpers == ["cpu_compat"]
+    assert summary["03_training"]["script_lines"] < 200
 
 
 @pytest.mark.slow

@@ -42,6 +42,9 @@ SCRIPT = textwrap.dedent("""
     tokens = torch.randint(0, 100, (2, 16))
     gpt(tokens, torch.arange(16).expand(2, 16), None)
     import megatron.training.theoretical_memory_usage  # notebook 05's Megatron-LM estimate imports megatron.training
+    import megatron.core.models.mimo.model.base  # what get_megatron_optimizer imports at each call
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    get_rerun_state_machine()  # as the schedules do in a loop without Megatron-LM's initialize_megatron
     warnings.warn("a message nobody listed")
     print("VERSION", megatron.core.__version__)
     print("SUPPRESSED", sorted(quiet.suppressed().items()))
