@@ -218,6 +218,6 @@ def test_the_library_calls_on_the_page_equal_the_helpers_and_the_proofs_hold(ser
     s05, s06 = summary["05_parallelism"], summary["06_conversion"]
     assert s05["all_layouts_match"] is True and s05["per_rank_formula_and_allreduces_match"] is True
     assert s05["bubble_fraction_simulated"] == pytest.approx(s05["bubble_fraction_formula"])
-    assert s06["layer_by_hand_equal"] is True and s06["greedy_tokens_equal"] is True
+    assert s06["standalone_converter_bit_identical"] is True and s06["greedy_tokens_equal"] is True
     assert s06["max_abs_logit_diff"] < 1e-4 and s06["tp2_bit_identical"] is True and s06["megatron_lm_legacy_bit_identical"] is True and s06["round_trip_bit_identical"] is True
     assert s06["hf_validation_loss"] == pytest.approx(s06["training_validation_loss"], abs=1e-5)
