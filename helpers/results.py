@@ -260,10 +260,13 @@ def _figure_path(run_dir: str | os.PathLike, name: str) -> Path:
 
 
 def save_figure(fig, run_dir: str | os.PathLike, name: str) -> Path:
-    """Save a matplotlib figure as ``<run>/figures/<name>.png`` (150 dpi) and return the path."""
-    path = _figure_path(run_dir, name)
-    fig.savefig(path, dpi=150, bbox_inches="tight")
-    return path
+    """Save a matplotlib figure as ``<run>/figures/<name>.png`` (150 dpi) and return that path.
+
+    In a notebook the series runner executes, the file waits in the attempt's folder and moves to
+    that path when the notebook succeeds (:func:`commit_attempt`); the returned path is where it lands.
+    """
+    fig.savefig(_figure_path(run_dir, name), dpi=150, bbox_inches="tight")
+    return run_path(run_dir) / "figures" / f"{name}.png"
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]] | Iterable[Sequence[Any]],
