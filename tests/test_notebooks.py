@@ -121,6 +121,8 @@ MEGATRON_CONTRACT = {"forward_step", "loss_func"}
 #: A cell that is a part of a standalone script a notebook writes out (first line ``# NAME.py · ...``,
 #: issue 25) may define what that script needs without the series' helpers.
 SCRIPT_PART = re.compile(r"^# \w+\.py · ")
+#: Functions a notebook times, written on the page so the learner sees what is measured (issue 25).
+MEASURED_ON_THE_PAGE = {"04_fused_kernels": {"bias_gelu"}}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -134,7 +136,7 @@ def test_no_logic_or_installs_in_notebooks(path):
         defined = set(re.findall(r"^(?:def|class) (\w+)", cell.source, re.M))
         if SCRIPT_PART.match(cell.source):
             continue
-        assert defined <= MEGATRON_CONTRACT, f"{path.name}: define {sorted(defined - MEGATRON_CONTRACT)} in helpers/, not in the notebook"
+        assert defined <= MEGATRON_CONTRACT | MEASURED_ON_THE_PAGE.get(path.stem, set()), f"{path.name}: define {sorted(defined - MEGATRON_CONTRACT)} in helpers/, not in the notebook"
 
 
 @pytest.mark.parametrize("profile", sorted(series.PROFILES))
