@@ -14,10 +14,11 @@ checkpoints Megatron-LM wrote itself) -> ``evaluation``
 **Demonstrations** (``helpers.demos``): what one notebook uses to *show* something (timings,
 simulations, drawings, proofs); each module names its notebook and nothing above imports them.
 
-**Plumbing**: ``series`` (the papermill runner and the stage order), ``data_stage`` (notebook 01's
+**Plumbing**: ``series`` (the papermill runner and the stage order), ``parameters`` (profiles and
+``-p`` overrides of the notebooks' parameters), ``data_stage`` (notebook 01's
 cached stage), ``preflight`` (epochs, memory and time of a run before it starts), ``launch``
 (torchrun from a notebook; Megatron-LM's loop for a config), ``run_guard`` (a job stops with its launcher;
-one job per run folder), ``metrics`` (what Megatron-LM's loop logged), ``encoders`` (fast tokenizing), ``results``, ``report`` (the report card), ``environment``,
+one job per run folder; a read-only or too-full folder refused), ``metrics`` (what Megatron-LM's loop logged), ``encoders`` (fast tokenizing), ``results``, ``report`` (the report card), ``environment``,
 ``cpu_compat`` (megatron-core and megatron.training on a CPU), ``quiet``.
 
 Import modules explicitly, e.g. ``from helpers import corpus, results``. Nothing here

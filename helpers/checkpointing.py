@@ -141,7 +141,8 @@ def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_c
     global shape). Every rank calls this. A half-written folder of the same iteration (from a
     killed run) is removed first; ``model_config.json`` (what the folder holds, since it has no
     Megatron-LM ``args``) is written next to the shards, then rank 0 updates
-    ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished.
+    ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished. A save that
+    fails (a full disk) removes its folder before the error goes on, so no shard cut short is left.
 
     Must run in a process whose main module is import-guarded (a notebook, pytest, ``python -m``):
     megatron-core's torch_dist writer starts a helper process.
@@ -161,7 +162,12 @@ def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_c
             shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(state, str(folder))
+    try:
+        dist_checkpointing.save(state, str(folder))
+    except BaseException:
+        if rank == 0 and latest_iteration(checkpoint_dir) != iteration:  # cut short (a full disk): not a checkpoint
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     dist.barrier()
     if rank == 0:
         results.write_atomic(folder / MODEL_CONFIG_FILE, json.dumps(model_config, indent=2, sort_keys=True) + "\n")

@@ -430,7 +430,8 @@ def _disk_full_text(cfg, plan, log_path: Path, since: float) -> str:
     return (f"training stopped: the disk filled up while a checkpoint was saved ({kept}{removed}). "
             + run_guard.disk_full_message(cfg.checkpoint_path, rest.disk_bytes,
                                           f"the rest of the run ({saves} checkpoints of about "
-                                          f"{run_guard.human_bytes(plan.checkpoint_bytes)} each, plus logs)",
+                                          f"{run_guard.human_bytes(plan.checkpoint_bytes)} each, plus "
+                                          f"{run_guard.human_bytes(preflight.DISK_MARGIN_BYTES)} for logs)",
                                           "train into a run folder on a bigger disk (run_dir=), or save fewer "
                                           "checkpoints (a larger save_interval)")
             + f" The log: {log_path}")
@@ -501,7 +502,9 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     plan = preflight.preflight(cfg, nproc=nproc_per_node)
     preflight.check_repeats(plan, max_epochs)
     preflight.check_disk(plan, cfg.checkpoint_path)  # the checkpoints to come fit on the disk
-    cfg.to_json(cfg.run_path / config_name)
+    config_path = cfg.run_path / config_name
+    previous = config_path.read_text() if config_path.exists() else None  # put back if the launch trains nothing
+    cfg.to_json(config_path)
     log_path = cfg.run_path / "training.log"
     if latest is None and log_path.exists():  # a fresh start: the log of an earlier, deleted run goes
         log_path.unlink()
@@ -524,6 +527,11 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
                        timeout_s=timeout_s, master_port=master_port, on_line=on_line, log_path=log_path,
                        env={**megatron_args.ENV, **(env or {})}, log_dir=cfg.run_path / "torchrun_logs")
     except LaunchError as err:
+        if checkpointing.latest_iteration(cfg.checkpoint_path) == latest:  # nothing saved: run.json describes the checkpoint again
+            if previous is None:
+                config_path.unlink(missing_ok=True)
+            else:
+                config_path.write_text(previous)
         if _disk_filled(err, cfg.checkpoint_path, plan.checkpoint_bytes):
             raise run_guard.DiskFullError(_disk_full_text(cfg, plan, log_path, started)) from None
         raise

@@ -296,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     if not config.is_file():
         print(f"error: {config} not found: notebook 03 (helpers.launch.train) writes it", file=sys.stderr)
         return 2
+    import shutil
+
     cfg = TrainingConfig.from_json(config)
+    if shutil.which("torchrun") is None:  # the command names torchrun, which lives in the project's environment
+        print(f"# torchrun is not on PATH: activate the environment first (source {Path(sys.executable).parent}/activate)")
     print(shell_command(cfg, nproc_per_node=args.nproc, cpu=False if args.gpu else None, script=args.script))
     return 0
 

@@ -217,7 +217,7 @@ def check_disk(plan: Preflight, folder: str | Path) -> None:
     """
     check_free_space(folder, plan.disk_bytes,
                      f"training ({plan.checkpoint_saves} checkpoints of about {human_bytes(plan.checkpoint_bytes)} each, "
-                     "kept, plus logs)",
+                     f"all kept, plus {human_bytes(DISK_MARGIN_BYTES)} for the log, TensorBoard and the index cache)",
                      "train into a run folder on a bigger disk (run_dir=, or --run-dir), or save fewer checkpoints "
                      "(a larger save_interval)")
 

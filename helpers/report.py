@@ -75,7 +75,7 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
              "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
              "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
              "load_average_start": _load_average()}
-    return results.record(run_dir, SECTION, "start", facts)
+    return results.record_many(run_dir, SECTION, {"start": facts, "end": {}})["start"]  # {}: not finished yet
 
 
 def finish(run_dir: str | os.PathLike) -> Path:
@@ -249,3 +249,6 @@ if __name__ == "__main__":
         print(write(sys.argv[1]))
     except FileNotFoundError as err:
         sys.exit(f"error: {err}")
+    except OSError as err:  # a read-only folder, a full disk
+        sys.exit(f"error: cannot write {Path(sys.argv[1]).resolve() / REPORT_FILE} ({err.strerror}); the report is "
+                 f"rendered from the folder's files, so copy the folder somewhere writable and run this again there")

@@ -12,15 +12,14 @@ Layout of a run folder (see the README)::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from helpers.run_guard import explain_disk_full
+from helpers.run_guard import environ, explain_disk_full
 
 SUMMARY_FILE = "summary.json"
 
@@ -156,18 +155,9 @@ def start_attempt(folder: str | os.PathLike, notebook_name: str) -> tuple[Path, 
     return notebook, pending
 
 
-@contextlib.contextmanager
-def attempt_env(pending: str | os.PathLike) -> Iterator[None]:
-    """Set :data:`ATTEMPT_ENV` to ``pending`` for the block: a kernel started in it records there."""
-    before = os.environ.get(ATTEMPT_ENV)
-    os.environ[ATTEMPT_ENV] = str(pending)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ATTEMPT_ENV, None)
-        else:
-            os.environ[ATTEMPT_ENV] = before
+def attempt_env(pending: str | os.PathLike):
+    """A context manager: :data:`ATTEMPT_ENV` is ``pending`` for the block, so a kernel started in it records there."""
+    return environ(ATTEMPT_ENV, str(pending))
 
 
 def record_many(run_dir: str | os.PathLike, notebook: str, values: Mapping[str, Any]) -> dict[str, Any]:

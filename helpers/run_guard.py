@@ -134,25 +134,29 @@ def _describe(lock_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True) -> Iterator[Path | None]:
-    """Hold ``{run_path}/training.lock`` for the block; ``enabled=False`` (ranks other than 0) does nothing.
+def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True, name: str = LOCK_NAME,
+                    doing: str = "trained by another job") -> Iterator[Path | None]:
+    """Hold ``{run_path}/{name}`` for the block; ``enabled=False`` (ranks other than 0) does nothing.
+
+    ``training.lock`` guards training; the series runner holds ``series.lock`` (``doing="run by
+    another series runner"``) for a whole run.
 
     Raises:
-        RunFolderBusyError: another job trains ``run_path``; the message names it (pid, host,
+        RunFolderBusyError: another job holds the lock; the message names it (pid, host,
             start time, command) and the fixes. Nothing in the folder is touched.
     """
     if not enabled:
         yield None
         return
-    lock_path = Path(run_path) / LOCK_NAME
+    lock_path = Path(run_path) / name
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+", encoding="utf-8") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunFolderBusyError(
-                f"{run_path} is being trained by another job ({_describe(lock_path)}). Wait for it to "
-                f"finish, stop it (kill <pid>), or train into another run folder (run_dir=...)."
+                f"{run_path} is being {doing} ({_describe(lock_path)}). Wait for it to "
+                f"finish, stop it (kill <pid>), or use another run folder (run_dir=..., --run-dir)."
             ) from None
         handle.truncate(0)
         handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -163,6 +167,21 @@ def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True) -> Ite
             yield lock_path
         finally:
             handle.truncate(0)
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` for the block (processes started in it
+    inherit it), then restore what was there."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def check_run_folder_free(run_path: str | os.PathLike) -> None:
@@ -297,4 +316,4 @@ def explain_disk_full(folder: str | os.PathLike, needed: float | None, what: str
             raise
         raise DiskFullError(f"The disk filled up while {what} was written ([Errno 28] {err.strerror}"
                             + (f": {err.filename}" if err.filename else "") + "). "
-                            + disk_full_message(folder, needed, what, fix)) from err
+                            + disk_full_message(folder, needed, "it", fix)) from err

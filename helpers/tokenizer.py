@@ -61,7 +61,7 @@ def check_folder(tokenizer_dir: str | os.PathLike) -> Path:
         f"the tokenizer folder {folder} {what} (a tokenizer is {', '.join(TOKENIZER_FILES)}). Rebuild it: delete "
         f"{folder} and the .bin/.idx beside it (their token ids come from the tokenizer), then run notebook 01 "
         f"again (python -m helpers.series run --only 01 --run-dir <this run folder>), which retrains it from the "
-        f"loose JSON; or pass tokenizer_dir= a complete folder.")
+        f"loose JSON (a TrainingConfig of your own can also point tokenizer_dir at a complete folder).")
 
 
 def train_tokenizer(

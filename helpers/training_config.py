@@ -162,8 +162,23 @@ class TrainingConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "TrainingConfig":
-        """Read a ``run.json`` written by :meth:`to_json` (errors as :meth:`from_dict`)."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a ``run.json`` written by :meth:`to_json` (errors as :meth:`from_dict`).
+
+        A run folder that was copied or moved keeps the old absolute paths in its ``run.json``; they
+        are read as the folder that holds the file: ``run_dir`` becomes that folder, and every path
+        field inside the old one moves with it (a path outside it, e.g. shared data, stays).
+        """
+        path = Path(path).expanduser().resolve()
+        data = json.loads(path.read_text())
+        old, new = data.get("run_dir"), str(path.parent)
+        if old and Path(old).expanduser().resolve() != path.parent:
+            old = str(Path(old).expanduser().resolve())
+            data["run_dir"] = new
+            for name in _PATH_FIELDS:
+                value = data.get(name)
+                if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+                    data[name] = new + value[len(old):]
+        return cls.from_dict(data)
 
     # ----------------------------------------------------------------- checks
     def data_parallel_size(self, world_size: int) -> int:
@@ -339,6 +354,9 @@ def resolve_precision(precision: str) -> str:
 
 
 #: Fields that do not change what a run trains (logging, saving, sampling, paths, resume flags).
+#: The fields that hold paths (rebased by :meth:`TrainingConfig.from_json` when a run folder moved).
+_PATH_FIELDS = ("data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path", "pretrained_checkpoint")
+
 RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
                    "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
                    "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
@@ -355,6 +373,6 @@ def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
              if k not in RUN_ONLY_FIELDS and saved.get(k) != v]
     if diffs:
         raise ValueError(
-            f"{cfg.run_path} already holds a finished run (train_iters={cfg.train_iters}) trained with other "
+            f"{cfg.run_path} already holds a finished run (train_iters={saved.get('train_iters')}) trained with other "
             f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
             f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")

@@ -12,7 +12,7 @@ from pathlib import Path
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 
 #: Plumbing: what runs the series and keeps megatron-core working on a CPU; a learner need not read it.
-PLUMBING = {"series", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics",
+PLUMBING = {"series", "parameters", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics",
             "run_guard", "report", "preflight", "readiness", "book"}
 MAX_MODULE_LINES = 420
 MAX_LEARNER_LINES = 3400  # issue 12: "about 2,000"; 2,214 when it closed, 2,289 with issue 13's checks; issue 16 adds evaluation (259), corpus CodeParrot's later filters and MinHash (100); issue 14 moves the memory calculator (78) out of demos for the preflight and adds the 🤗 datasets source (hub_datasets 77, corpus 8) and the reading of Megatron-LM's own checkpoints (megatron_lm 367, with its restricted torch_dist metadata reader)

@@ -134,6 +134,8 @@ def test_record_start_and_finish_record_this_machine(tmp_path):
     assert len(results.load_summary(tmp_path)["series"]["end"]["load_average_end"]) == 3
     assert f"| megatron-core | found | {versions['megatron-core']} | - |" in text
     assert "Did not run: 00_a (0 of 1 notebooks ran)." in text
+    report.record_start(tmp_path, profile="smoke", notebooks=["00_a"])  # a new run in the same folder
+    assert "finished never (the runner stopped before the end)" in report.write(tmp_path).read_text()
 
 
 def test_the_runner_writes_the_report_card_at_the_end_of_run(tmp_path, monkeypatch, capsys):

@@ -78,6 +78,26 @@ def test_a_tokenizer_folder_missing_merges_names_the_file_and_how_to_rebuild(dat
             read_it()
 
 
+def test_a_save_the_disk_cuts_short_leaves_no_checkpoint_folder(tmp_path, monkeypatch):
+    """Breaker (issue 24): notebook 06's way-back checkpoint was left with a shard cut short."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    from helpers import checkpointing, distributed, model
+
+    def full_disk(state, folder, *args, **kwargs):
+        (Path(folder) / "__0_0.distcp").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dist_checkpointing, "save", full_disk)
+    with distributed.single_process():
+        cfg = model.ModelConfig(**TINY_MODEL)
+        with pytest.raises(OSError, match="No space left"):
+            checkpointing.save_model(model.build_model(cfg), tmp_path / "ck", 0, cfg.to_metadata())
+    assert not (tmp_path / "ck" / "iter_0000000").exists() and checkpointing.latest_iteration(tmp_path / "ck") is None
+
+
 # --------------------------------------------------------------------------- read-only run folders
 @needs_mounts
 def test_a_read_only_run_folder_is_refused_by_name_before_anything_starts(data, tmp_path):

@@ -244,6 +244,23 @@ def test_a_read_only_run_folder_is_refused_before_anything_starts(tiny_series, t
         ro.chmod(0o755)
 
 
+def test_a_second_runner_on_a_folder_is_refused_and_a_rerun_keeps_the_folders_profile(tiny_series, capfd):
+    """Breaker (issue 24): two runners on one folder shared the attempt folder; a fix command without
+    --profile ran the default profile over a smoke run's data."""
+    from helpers import run_guard
+
+    run_dir = tiny_series.parent / "runs" / "lock"
+    series.run("tiny", run_dir=run_dir, only=["01"])
+    capfd.readouterr()
+    with run_guard.run_folder_lock(run_dir, name=series.RUNNER_LOCK, doing="run by another series runner"):
+        assert series.main(["run", "--run-dir", str(run_dir), "--only", "01"]) == 2
+    err = capfd.readouterr().err
+    assert "is being run by another series runner (" in err and "pid " in err and "--run-dir" in err
+    series.run(None, run_dir=run_dir, only=["01"])  # no profile: the folder's
+    assert "Profile tiny: the one" in capfd.readouterr().out
+    assert results.load_summary(run_dir)["01_second"]["product"] == 4 * 2.0  # tiny's steps=4, rate=2.0
+
+
 def test_require_refuses_a_file_as_run_folder_and_parse_override_an_empty_name(tmp_path):
     afile = tmp_path / "notes.txt"
     afile.write_text("x")

@@ -386,11 +386,18 @@ def test_megatron_lms_checks_stop_a_bad_run_with_their_message(uninterrupted, da
     import shutil
 
     shutil.copytree(ref_cfg.checkpoint_path, longer.checkpoint_path)
+    (longer.run_path / "run.json").parent.mkdir(parents=True, exist_ok=True)
+    ref_cfg.to_json(longer.run_path / "run.json")  # the finished run's record, as in a run folder
+    before = (longer.run_path / "run.json").read_text()
     with pytest.raises(LaunchError, match=r"OptimizerParamScheduler: class input value 128 and checkpoint ?value 96 .*"
                                           r"Fix: the checkpoint was trained with another learning-rate schedule"):
         launch.train(longer, progress=False, timeout_s=300)
+    assert (longer.run_path / "run.json").read_text() == before  # refused before a step: run.json still the checkpoint's
     result = launch.train(replace(longer, override_opt_param_scheduler=True), progress=False, timeout_s=300)
     assert result.summary["iterations"] == 16
+    with pytest.raises(ValueError, match=r"already holds a finished run \(train_iters=16\) trained with other settings "
+                                         r"\(train_iters: 16 -> 12"):
+        launch.train(replace(longer, train_iters=12, override_opt_param_scheduler=True), progress=False)
 
 
 @pytest.mark.gpu

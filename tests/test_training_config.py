@@ -42,3 +42,18 @@ def test_a_non_finite_split_weight_is_refused_by_check(tmp_path, monkeypatch, sp
     monkeypatch.setattr(dataloader, "_sequence_lengths", lambda _: np.full(100, 5))
     with pytest.raises(ValueError, match=rf"^split={split!r}: the weights \['{split.split(',')[0]}'\] are not plain"):
         replace(CFG, data_prefix=str(prefix), split=split).check()
+
+
+def test_a_copied_run_folder_reads_its_own_paths_not_the_originals(tmp_path):
+    """A breaker copied a run folder: its run.json still named the original folder's checkpoints and data."""
+    original, copy = tmp_path / "a", tmp_path / "b"
+    cfg = training_config.profile("cpu", str(original), checkpoint_dir=str(original / "ck"),
+                                  data_prefix=str(tmp_path / "shared" / "data"))
+    cfg.to_json(original / "run.json")
+    copy.mkdir()
+    (copy / "run.json").write_text((original / "run.json").read_text())
+    moved = training_config.TrainingConfig.from_json(copy / "run.json")
+    assert moved.run_path == copy.resolve() and moved.checkpoint_path == copy.resolve() / "ck"
+    assert moved.tokenizer_path == copy.resolve() / "data" / "tokenizer"
+    assert moved.data_prefix_path == tmp_path / "shared" / "data"  # outside the run folder: not moved
+    assert training_config.TrainingConfig.from_json(original / "run.json") == cfg
