@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions
+.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -56,6 +56,10 @@ tutorial: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The contributors' quick tier: the unit tests, without the notebooks end to end and the training jobs.
+test-quick: install
+	$(PY) -m pytest -m "not slow and not trains" $(PYTEST_ARGS)
 
 lab: install
 	$(VENV)/bin/jupyter lab notebooks/

@@ -16,6 +16,8 @@ from bench import series as bench_series
 from bench import training as bench_train
 from helpers import preflight
 
+pytestmark = pytest.mark.trains
+
 ALLOC = "import numpy as np, time; a = np.ones({n}, dtype=np.uint8); time.sleep({s})"
 
 

@@ -26,7 +26,7 @@ from helpers.demos import conversion_proofs as proofs
 from helpers.demos import conversion_way_back, generation, tensor_parallel_run
 from helpers.distributed import initialize_distributed
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.trains, pytest.mark.timeout(300)]
 
 VOCAB = 300
 QKV_W, QKV_B = "decoder.layers.{}.self_attention.linear_qkv.weight", "decoder.layers.{}.self_attention.linear_qkv.bias"

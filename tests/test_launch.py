@@ -209,7 +209,7 @@ def test_one_job_per_run_folder_and_the_message_names_it(tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(run_guard.RunFolderBusyError, match=rf"is being trained by another job \(pid {holder.pid} on "):
             run_guard.check_run_folder_free(tmp_path)
-        with pytest.raises(run_guard.RunFolderBusyError, match="train into another run folder"):
+        with pytest.raises(run_guard.RunFolderBusyError, match=r"or use another run folder \(run_dir=\.\.\., --run-dir\)"):
             with run_guard.run_folder_lock(tmp_path):
                 pass
     finally:

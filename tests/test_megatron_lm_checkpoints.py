@@ -33,7 +33,7 @@ from helpers.demos import conversion_proofs as proofs
 from helpers.demos import generation
 from helpers.demos.megatron_lm_layout import WE, mlm_args, old_model_dict, write_legacy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.trains, pytest.mark.timeout(300)]
 
 COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
                    "mlp.linear_fc1.bias", WE, "output_layer.weight")

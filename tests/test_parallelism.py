@@ -13,6 +13,8 @@ from helpers import results
 from helpers.demos import launch_plans, layout_runs, memory, pipeline_schedule, rank_groups, shards
 from helpers.model import Layout, ModelConfig, check_layout, count_parameters
 
+pytestmark = pytest.mark.trains
+
 # A model small enough to count by hand: h=8, f=32, 2 heads, 2 layers, V=16 (padded to 16 for
 # TP 1 and 2 with make_vocab_size_divisible_by=8), 4 positions.
 HAND = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, max_position_embeddings=4,

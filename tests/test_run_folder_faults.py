@@ -19,6 +19,8 @@ import pytest
 from helpers import dataloader, preprocess, tokenizer, training_config
 from test_training import TINY_MODEL, data, tiny_config  # noqa: F401  (data is a fixture)
 
+pytestmark = pytest.mark.trains
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -22,6 +22,8 @@ import torch
 
 from helpers import checkpointing, launch, megatron_args, metrics, run_guard, training_config
 
+pytestmark = pytest.mark.trains
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
                   vocab_size=1024)

@@ -16,6 +16,8 @@ import pytest
 from helpers import checkpointing, launch, run_guard
 from test_training import data, tiny_config  # noqa: F401  (data is a fixture)
 
+pytestmark = pytest.mark.trains
+
 
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
