@@ -482,7 +482,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     from tqdm.auto import tqdm
 
     from helpers import checkpointing, megatron_args, metrics, preflight
-    from helpers.training_config import check_same_run
+    from helpers.training_config import TrainingConfig, check_same_run
 
     cfg.check(nproc_per_node)
     for folder in dict.fromkeys([cfg.run_path, cfg.checkpoint_path]):
@@ -495,7 +495,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
     if latest is not None and latest >= cfg.train_iters and summary_path.exists():
         if (cfg.run_path / config_name).exists():  # a cached result must be this config's
-            check_same_run(cfg, json.loads((cfg.run_path / config_name).read_text()))
+            check_same_run(cfg, TrainingConfig.from_json(cfg.run_path / config_name).to_dict())  # paths rebased if moved
         return TrainingResult(json.loads(summary_path.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
     if latest is not None:  # about to resume from it: every shard whole (Megatron-LM would say only "EOFError")
         checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))

@@ -100,7 +100,8 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     (tmp_path / "training.log").write_text("")
     env03 = dict(results=results, run_dir=str(tmp_path), NOTEBOOK="x", timeout_s=1, nproc=1, max_epochs=16.0,
                  cfg=SimpleNamespace(run_path=tmp_path),
-                 launch=SimpleNamespace(train=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True)))
+                 launch=SimpleNamespace(train=lambda *a, **k: SimpleNamespace(summary=summary, skipped=True,
+                                                                     metrics={"valid": [], "train": []})))
     exec(_cell_with(nb_dir / "03_training.ipynb", "run = launch.train(cfg"), env03)
 
 

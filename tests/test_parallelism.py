@@ -341,6 +341,16 @@ def test_tp2_trains_like_tp1_from_megatrons_own_cpu_initialisation(base):
         layout_runs.run_layout(base, Layout(2, 1, 1), initial="own", name="other", progress=False,
                                checkpoint_dir=base.run_path.parent / "checkpoints_tp2")
     assert checkpointing.latest_iteration(base.run_path.parent / "checkpoints_tp2") == 3
+    # A copied run folder keeps its finished runs: the paths in their run.json are the old folder's.
+    import shutil
+
+    moved = base.run_path.parent / (base.run_path.name + "_moved")
+    shutil.copytree(base.run_path, moved)
+    paths = {k: getattr(base, k).replace(str(base.run_path), str(moved)) for k in ("data_prefix", "tokenizer_dir")
+             if getattr(base, k)}
+    copied = layout_runs.run_layout(replace(base, run_dir=str(moved), **paths), Layout(1, 1, 1), initial="own",
+                                    progress=False)
+    assert copied.skipped and copied.losses == ref.losses
 
 
 def test_shards_on_real_tp2_ranks_match_the_formulas(base):
