@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -52,7 +54,7 @@ from bench import common
 from helpers import preflight
 
 OUT_DIR = "bench_training"
-SIDES = ("megatron", "megatron_sdpa", "trainer")
+SIDES = ("megatron", "megatron_sdpa", "megatron_lm", "trainer")
 
 def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) -> float | None:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, 0..1).
@@ -150,6 +152,35 @@ def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> d
             "losses": losses, "parameters": n_params, "precision": resolve_precision(cfg.precision),
             "optimizer": optimizer, "gpu_peak_allocated_bytes": gpu_peak,
             "implementation": f"megatron-core GPTModel (local spec, {cfg.model.core_attention} attention), notebook 03's loop"}
+
+
+def _side_megatron_lm(opts: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's own loop (``helpers.pretrain_gpt`` under torchrun, one process) on the same
+    config, logging every iteration; its per-iteration times are the ``elapsed time per iteration``
+    of its log lines (Megatron-LM's ``training_log``, timers included)."""
+    import re
+
+    from helpers import launch, megatron_args
+    from helpers.model import count_parameters
+
+    cfg = replace(training_config(opts), log_interval=1,
+                  checkpoint_dir=str(Path(opts["out_dir"]) / "megatron_lm_checkpoints"))
+    shutil.rmtree(cfg.checkpoint_path, ignore_errors=True)  # a fresh run every time, never a resume
+    t0 = time.perf_counter()
+    res = launch.torchrun([megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)], nproc_per_node=1,
+                          timeout_s=float(opts.get("timeout_s", 280)), on_line=None,
+                          env={**os.environ, **megatron_args.ENV, "OMP_NUM_THREADS": str(opts["threads"])})
+    lines = [line for line in res.output.splitlines() if "elapsed time per iteration (ms):" in line]
+    if len(lines) < cfg.train_iters:
+        raise common.BenchError(f"Megatron-LM's loop failed or logged {len(lines)} of {cfg.train_iters} iterations:\n"
+                                + "\n".join(res.output.splitlines()[-25:]))
+    ms = [float(re.search(r"elapsed time per iteration \(ms\): ([0-9.]+)", line).group(1)) for line in lines]
+    losses = [float(re.search(r"lm loss: ([0-9.E+-]+)", line).group(1)) for line in lines]
+    shutil.rmtree(cfg.checkpoint_path, ignore_errors=True)
+    return {"setup_seconds": time.perf_counter() - t0 - sum(ms) / 1e3, "iteration_seconds": [x / 1e3 for x in ms[opts["warmup"]:]],
+            "losses": losses, "parameters": count_parameters(cfg.model), "precision": "fp32" if cfg.precision != "bf16" else "bf16",
+            "optimizer": "Megatron-LM get_megatron_optimizer", "gpu_peak_allocated_bytes": None,
+            "implementation": "Megatron-LM's own loop (pretrain_gpt under torchrun, local spec)"}
 
 
 class _ShiftedGPTDataset:
@@ -263,7 +294,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     opts = {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,
-            "iters": args.iters or (12 if profile == "cpu" else 30), "warmup": args.warmup,
+            "iters": args.iters or 30, "warmup": args.warmup, "timeout_s": args.timeout_s,
             "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
             "threads": args.threads, "seq_length": args.seq_length, "hf_attention": args.hf_attention,
             "device": args.device}
@@ -291,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"micro-batch {cfg.micro_batch_size}, global batch {cfg.global_batch_size} ({tokens_per_iter} tokens/iteration); "
           f"{opts['iters']} iterations ({opts['warmup']} warm-up) per run, {args.threads} threads; "
           f"load average {machine['load_average']}", flush=True)
-    active = [side for side in SIDES if side != "megatron_sdpa" or args.with_sdpa_attention]
+    active = [side for side in SIDES if (side != "megatron_sdpa" or args.with_sdpa_attention)
+              and (side != "megatron_lm" or not args.without_megatron_lm)]
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in active}
     stats = {side: common.SideStats(side) for side in active}
     for r, order in enumerate(common.interleaved_orders(active, args.repeats), 1):
@@ -307,6 +339,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"set-up {res['setup_seconds']:.1f} s, process {m.wall_seconds:.1f} s, peak RSS {m.peak_rss_mb:.0f} MB",
                   flush=True)
     from helpers.model import flops_per_token
+
+    # one ratio per repeat: the sides of a repeat ran minutes apart at most, so drift cancels in each
+    pair_ratios = {side: [t / m for t, m in zip(stats["trainer"].summary()["phase_seconds"], stats[side].summary()["phase_seconds"])]
+                   for side in active if side != "trainer"}
 
     fpt = flops_per_token(cfg.model)
     peak = preflight.peak_flops(torch.cuda.get_device_name(), args.peak_tflops) if args.device == "cuda" else None
@@ -340,6 +376,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
         "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
                                                                       sides["trainer"]["tokens_per_second"]),
+        "per_repeat_ratio_vs_trainer": {side: {"ratios": [round(r, 4) for r in rs], "median": common.median(rs),
+                                               "min": min(rs), "max": max(rs)} for side, rs in pair_ratios.items()},
         "speedup_tokens_per_second_megatron_sdpa_vs_trainer": common.ratio(
             sides["megatron_sdpa"]["tokens_per_second"], sides["trainer"]["tokens_per_second"])
         if "megatron_sdpa" in sides else None,
@@ -364,7 +402,10 @@ def report(result: dict[str, Any]) -> str:
             f"{o['threads']} threads. Load average before {result['machine']['load_average']}, "
             f"after {result['load_average_after']}.")
     ratio = result["speedup_tokens_per_second_megatron_vs_trainer"]
-    text = f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x**\n"
+    text = f"{head}\n\n{table}\n\nmegatron-core / Trainer tokens/s: **{ratio:.2f}x** (medians of all timed iterations)\n"
+    for side, r in result.get("per_repeat_ratio_vs_trainer", {}).items():
+        text += (f"{side} / Trainer, one ratio per interleaved repeat: median **{r['median']:.2f}x**, range "
+                 f"{r['min']:.2f}-{r['max']:.2f}x ({', '.join(f'{x:.2f}' for x in r['ratios'])})\n")
     sdpa = result.get("speedup_tokens_per_second_megatron_sdpa_vs_trainer")
     if sdpa is not None:
         text += f"megatron-core with torch's fused SDPA attention / Trainer tokens/s: {sdpa:.2f}x\n"
@@ -373,10 +414,12 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("_megatron", "_megatron_sdpa", "_trainer"):
+    if argv and argv[0] in ("_megatron", "_megatron_sdpa", "_megatron_lm", "_trainer"):
         opts = json.loads(Path(argv[1]).read_text())
         if argv[0] == "_trainer":
             common.emit_result(_side_trainer(opts))
+        elif argv[0] == "_megatron_lm":
+            common.emit_result(_side_megatron_lm(opts))
         else:
             common.emit_result(_side_megatron(opts, "sdpa" if argv[0] == "_megatron_sdpa" else None))
         return 0
@@ -384,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: the `cpu` profile in fp32; cuda: `codeparrot-small` in bf16 with MFU")
     parser.add_argument("--run-dir", default=None, help="run folder for data and outputs (default runs/bench)")
-    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 12 on CPU, 30 on GPU)")
-    parser.add_argument("--warmup", type=int, default=2, help="iterations per run left out of the timing (default 2)")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side (default 2)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 30)")
+    parser.add_argument("--warmup", type=int, default=3, help="iterations per run left out of the timing (default 3)")
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved runs per side (default 6)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the training profile's")
     parser.add_argument("--global-batch-size", type=int, default=None, help="default: the training profile's")
     parser.add_argument("--seq-length", type=int, default=None, help="default: the profile's (256 / 1024)")
@@ -395,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPT2LMHeadModel attention (default sdpa, what transformers picks)")
     parser.add_argument("--with-sdpa-attention", action="store_true",
                         help="also run the megatron-core loop with torch's fused SDPA attention in the local spec")
+    parser.add_argument("--without-megatron-lm", action="store_true",
+                        help="leave out Megatron-LM's own loop (pretrain_gpt under torchrun)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU peak dense bf16 TFLOP/s for MFU")
     parser.add_argument("--timeout-s", type=float, default=280.0, help="limit per run, seconds")
     parser.add_argument("--json", default=None, help="write the result here (default {run_dir}/bench_training.json)")

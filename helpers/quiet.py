@@ -53,6 +53,11 @@ class KnownMessage:
 
 KNOWN: tuple[KnownMessage, ...] = (
     KnownMessage(
+        "timers_all_gather", r"`torch.distributed.all_gather_into_tensor` is deprecated", "warning",
+        "megatron-core timers.py:320 (dist_all_gather_func), torch distributed/c10d_logger.py:83",
+        "Megatron's timers gather their times with a torch call torch now renames; the times are right "
+        "(notebook 04, section 11)", category=FutureWarning),
+    KnownMessage(
         "te_apex_missing", r"Transformer Engine and Apex are not installed", "warning",
         "megatron-core optimizer/__init__.py:25, optimizer/optimizer.py:29, optimizer/clip_grads.py:32, "
         "distributed/fsdp/src/megatron_fsdp/mixed_precision.py:115",
@@ -166,7 +171,8 @@ class _Filter(logging.Filter):
 def apply() -> None:
     """Hide the messages of :data:`KNOWN` in this process, and only those (idempotent).
 
-    Also sets ``NO_VCS_VERSION=1`` (unless set): megatron-core's ``package_info.py`` otherwise
+    Also sets ``KINETO_LOG_LEVEL=5`` (unless set), so that ``torch.profiler`` on a machine without
+    a GPU does not log an ERROR line about the GPU count, and ``NO_VCS_VERSION=1`` (unless set): megatron-core's ``package_info.py`` otherwise
     runs ``git rev-parse`` at import and appends the hash of whatever git checkout encloses
     site-packages (this repository's commit when ``.venv`` lives in it) to ``__version__``.
     Must run before ``import megatron.core`` to hide its import-time warnings. Does nothing when
@@ -175,6 +181,7 @@ def apply() -> None:
     if _state["applied"] or os.environ.get("HELPERS_QUIET", "").lower() in ("0", "false", "no", "off"):
         return
     os.environ.setdefault("NO_VCS_VERSION", "1")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # torch.profiler on a machine without a GPU: no "gpuGetDeviceCount failed"
     for m in KNOWN:
         if m.kind == "warning":
             warnings.filterwarnings("ignore", message=m.pattern, category=m.category)

@@ -45,6 +45,10 @@ SCRIPT = textwrap.dedent("""
     import megatron.core.models.mimo.model.base  # what get_megatron_optimizer imports at each call
     from megatron.core.rerun_state_machine import get_rerun_state_machine
     get_rerun_state_machine()  # as the schedules do in a loop without Megatron-LM's initialize_megatron
+    from megatron.core.timers import Timers
+    timers = Timers(2, "minmax")  # notebook 04's section 11: Megatron's timers, printed
+    timers("forward-backward", log_level=1).start(); timers("forward-backward").stop()
+    timers.get_all_timers_string()
     warnings.warn("a message nobody listed")
     print("VERSION", megatron.core.__version__)
     print("SUPPRESSED", sorted(quiet.suppressed().items()))
