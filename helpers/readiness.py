@@ -191,11 +191,12 @@ def estimate_check(python: str | None = None) -> Check:
         return Check("estimated series", None, f"{kind} {value:,.1f} (no reference to scale by)")
     est = REFERENCE["series_s"] * ref / value
     how = "torch matmul" if kind == "matmul_gflops" else "a Python loop, before install: rough"
+    unit = "GFLOP/s" if kind == "matmul_gflops" else "million iterations/s"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     busy = f"; load average {load:.1f}: other work shares the cores, so this is pessimistic" if load > 1.0 else ""
     slow = "; over 3x the reference: run notebooks 03 and 05 as demonstrations" if est > 3 * REFERENCE["series_s"] else ""
-    return Check("estimated series", None, f"about {est / 60:,.0f} minutes for the cpu profile ({how}: {value:,.1f} "
-                 f"against {ref:,.1f} on the reference 2-core machine{busy}{slow})")
+    return Check("estimated series", None, f"about {est / 60:,.0f} minutes for the cpu profile ({how}: {value:,.1f} {unit} "
+                 f"against {ref:,.1f} on the reference 2-core machine, higher is faster{busy}{slow})")
 
 
 def report(folder: Path = ROOT) -> list[Check]:
