@@ -105,12 +105,24 @@ def training_config(opts: dict[str, Any]):
     if opts["profile"] == "codeparrot-small":
         model_overrides.update(max_position_embeddings=max(1024, opts.get("seq_length") or 1024))
     return profile(
-        opts["profile"], opts["run_dir"], model=model_overrides, **batch, train_iters=opts["iters"], lr_warmup_iters=1,
-        lr_decay_iters=max(opts["iters"], 2), save_interval=None, eval_interval=opts["iters"], eval_iters=1,
+        opts["profile"], opts["run_dir"], model=model_overrides, **batch, train_iters=opts["iters"] + opts.get("profile_steps", 0), lr_warmup_iters=1,
+        lr_decay_iters=max(opts["iters"] + opts.get("profile_steps", 0), 2), save_interval=None,
+        eval_interval=opts["iters"] + opts.get("profile_steps", 0), eval_iters=1,
         precision=resolve_precision("auto"), split="969,30,1", checkpoint_dir=str(Path(opts["out_dir"]) / "checkpoints"),
         tensorboard_dir=str(Path(opts["out_dir"]) / "tensorboard"),
         metrics_path=str(Path(opts["out_dir"]) / "metrics.jsonl"),
     )
+
+
+def op_milliseconds(prof, steps: int) -> dict[str, float]:
+    """``{operator: self CPU milliseconds per step}`` from a finished ``torch.profiler.profile``."""
+    return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.self_cpu_time_total > 0}
+
+
+def _profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU])
 
 
 def _set_threads(threads: int) -> None:
@@ -139,16 +151,23 @@ def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> d
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(cfg.train_iters):
+    profile_steps = opts.get("profile_steps", 0)
+    for _ in range(cfg.train_iters - profile_steps):
         out = core_loop.train_step(loop)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ends.append(time.perf_counter())
         losses.append(out["lm_loss"])
+    ops = None
+    if profile_steps:  # after the timed iterations, so the profiler's own cost stays out of them
+        with _profiler() as prof:
+            for _ in range(profile_steps):
+                core_loop.train_step(loop)
+        ops = op_milliseconds(prof, profile_steps)
     gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     optimizer = f"{type(loop.optimizer.optimizer).__module__}.{type(loop.optimizer.optimizer).__name__}"
     distributed.destroy_distributed()
-    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]),
+    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, start, opts["warmup"]), "op_ms": ops,
             "losses": losses, "parameters": n_params, "precision": resolve_precision(cfg.precision),
             "optimizer": optimizer, "gpu_peak_allocated_bytes": gpu_peak,
             "implementation": f"megatron-core GPTModel (local spec, {cfg.model.core_attention} attention), notebook 03's loop"}
@@ -223,7 +242,8 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
     model = GPT2LMHeadModel(hf_config)
     n_params = sum(p.numel() for p in model.parameters())
     ends: list[float] = []
-    marks: dict[str, float] = {}
+    marks: dict[str, Any] = {}
+    profile_steps = opts.get("profile_steps", 0)
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -235,6 +255,13 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
             if cuda:
                 torch.cuda.synchronize()
             ends.append(time.perf_counter())
+            if profile_steps and state.global_step == cfg.train_iters - profile_steps:
+                marks["profiler"] = _profiler()  # the last profile_steps steps run under the profiler, untimed
+                marks["profiler"].start()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if "profiler" in marks:
+                marks["profiler"].stop()
 
     accumulation = cfg.global_batch_size // cfg.micro_batch_size
     args = TrainingArguments(
@@ -255,7 +282,9 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(ends, marks["start"], opts["warmup"]),
+    timed = ends[:len(ends) - profile_steps]
+    return {"setup_seconds": setup_s, "iteration_seconds": timed_iterations(timed, marks["start"], opts["warmup"]),
+            "op_ms": op_milliseconds(marks["profiler"], profile_steps) if "profiler" in marks else None,
             "losses": losses, "parameters": n_params, "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "optimizer": f"Trainer optim={args.optim}",
             "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
@@ -264,6 +293,26 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the benchmark
 
+
+
+def op_medians(per_run: list[dict[str, float]]) -> dict[str, float]:
+    """Each operator's median over the runs of its milliseconds per step (0 in a run that lacks it)."""
+    keys = {k for run_ in per_run for k in run_}
+    return {k: common.median(run_.get(k, 0.0) for run_ in per_run) for k in keys}
+
+
+def attribution_table(ops: dict[str, dict[str, float]], a: str = "megatron", b: str = "trainer", top: int = 12) -> str:
+    """Markdown: the operators whose self CPU time per step differs most between sides ``a`` and
+    ``b`` (torch.profiler, milliseconds), then every other operator summed, then the totals."""
+    keys = set(ops[a]) | set(ops[b])
+    diff = sorted(keys, key=lambda k: abs(ops[a].get(k, 0.0) - ops[b].get(k, 0.0)), reverse=True)
+    rows = [[k, ops[a].get(k, 0.0), ops[b].get(k, 0.0), ops[a].get(k, 0.0) - ops[b].get(k, 0.0)] for k in diff[:top]]
+    rest = [sum(ops[side].get(k, 0.0) for k in diff[top:]) for side in (a, b)]
+    rows.append([f"the other {len(diff) - top} operators", rest[0], rest[1], rest[0] - rest[1]])
+    total = [sum(ops[side].values()) for side in (a, b)]
+    rows.append(["**total self CPU time per step**", total[0], total[1], total[0] - total[1]])
+    return common.markdown_table(["operator", f"{a} ms/step", f"{b} ms/step", "difference ms"],
+                                 [[r[0], f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:+.2f}"] for r in rows])
 
 
 def cuda_available() -> bool:
@@ -294,7 +343,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     out = run_dir / OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     opts = {"run_dir": str(run_dir), "out_dir": str(out), "profile": profile, "vocab_size": paths.vocab_size,
-            "iters": args.iters or 30, "warmup": args.warmup, "timeout_s": args.timeout_s,
+            "iters": args.iters or 30, "warmup": args.warmup, "timeout_s": args.timeout_s, "profile_steps": args.profile_steps,
             "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
             "threads": args.threads, "seq_length": args.seq_length, "hf_attention": args.hf_attention,
             "device": args.device}
@@ -376,6 +425,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": cfg.model.to_dict(), "repeats": args.repeats, "sides": sides,
         "speedup_tokens_per_second_megatron_vs_trainer": common.ratio(sides["megatron"]["tokens_per_second"],
                                                                       sides["trainer"]["tokens_per_second"]),
+        "op_ms_per_step": {side: op_medians([r_["op_ms"] for r_ in runs[side] if r_.get("op_ms")])
+                           for side in active if any(r_.get("op_ms") for r_ in runs[side])},
         "per_repeat_ratio_vs_trainer": {side: {"ratios": [round(r, 4) for r in rs], "median": common.median(rs),
                                                "min": min(rs), "max": max(rs)} for side, rs in pair_ratios.items()},
         "speedup_tokens_per_second_megatron_sdpa_vs_trainer": common.ratio(
@@ -406,6 +457,10 @@ def report(result: dict[str, Any]) -> str:
     for side, r in result.get("per_repeat_ratio_vs_trainer", {}).items():
         text += (f"{side} / Trainer, one ratio per interleaved repeat: median **{r['median']:.2f}x**, range "
                  f"{r['min']:.2f}-{r['max']:.2f}x ({', '.join(f'{x:.2f}' for x in r['ratios'])})\n")
+    ops = result.get("op_ms_per_step", {})
+    if "megatron" in ops and "trainer" in ops:
+        text += ("\nWhere the time goes (torch.profiler over the steps after the timed ones, self CPU time per "
+                 "operator, median over the repeats):\n\n" + attribution_table(ops) + "\n")
     sdpa = result.get("speedup_tokens_per_second_megatron_sdpa_vs_trainer")
     if sdpa is not None:
         text += f"megatron-core with torch's fused SDPA attention / Trainer tokens/s: {sdpa:.2f}x\n"
@@ -438,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPT2LMHeadModel attention (default sdpa, what transformers picks)")
     parser.add_argument("--with-sdpa-attention", action="store_true",
                         help="also run the megatron-core loop with torch's fused SDPA attention in the local spec")
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="steps after the timed ones that run under torch.profiler, for the per-operator table "
+                             "(megatron and trainer sides; 0: none)")
     parser.add_argument("--without-megatron-lm", action="store_true",
                         help="leave out Megatron-LM's own loop (pretrain_gpt under torchrun)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="GPU peak dense bf16 TFLOP/s for MFU")

@@ -35,11 +35,11 @@ MIN_MEMORY_GB = 6.0
 MIN_CORES = 2
 JUPYTER_PORT = 8888
 #: The reference machine (2-core Intel Xeon with AVX-512, 2026-12-03): the cpu series' wall time in a
-#: fresh clone of 5c01bac (load average 1.0-1.7), and the medians of three runs of each
+#: fresh clone of fffc154 (load average 1.0-1.9), and the medians of three runs of each
 #: :func:`measure_speed` measurement on it (22:40 UTC, load average 0.3). Rough: on a 2-core AMD EPYC
 #: without AVX-512 the matmul measured 2.9x slower and the series about 1.8x slower, so the estimate
 #: errs long on such machines.
-REFERENCE = {"series_s": 342.3, "matmul_gflops": 369.6, "python_loop_mops": 27.3}
+REFERENCE = {"series_s": 340.8, "matmul_gflops": 369.6, "python_loop_mops": 27.3}
 
 
 @dataclass

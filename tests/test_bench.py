@@ -208,6 +208,25 @@ def test_training_config_is_the_same_for_both_sides(tmp_path):
     assert cfg.train_iters == 12 and cfg.save_interval is None
 
 
+def test_profiled_steps_come_after_the_timed_ones(tmp_path):
+    opts = {"profile": "cpu", "run_dir": str(tmp_path), "out_dir": str(tmp_path / "o"), "vocab_size": 8192,
+            "seq_length": None, "micro_batch_size": None, "global_batch_size": None, "iters": 30, "profile_steps": 3}
+    cfg = bench_train.training_config(opts)
+    assert cfg.train_iters == 33 and cfg.decay_iters == 33  # the datasets and the schedule cover the profiled steps
+
+
+def test_the_attribution_table_accounts_for_every_millisecond():
+    assert bench_train.op_medians([{"aten::mm": 30.0, "aten::max": 2.0}, {"aten::mm": 34.0}]) == {
+        "aten::mm": 32.0, "aten::max": 1.0}  # an operator missing from a run counts 0 there
+    ops = {"megatron": {"aten::mm": 32.0, "aten::max": 2.4, "aten::add_": 1.6, "aten::gelu": 0.7},
+           "trainer": {"aten::mm": 25.0, "aten::addmm": 5.0, "aten::_log_softmax": 2.1, "aten::gelu": 0.8}}
+    table = bench_train.attribution_table(ops, top=2).splitlines()
+    assert table[2] == "| aten::mm | 32.00 | 25.00 | +7.00 |"  # the largest difference first
+    assert table[3] == "| aten::addmm | 0.00 | 5.00 | -5.00 |"
+    assert table[4] == "| the other 4 operators | 4.70 | 2.90 | +1.80 |"
+    assert table[5] == "| **total self CPU time per step** | 36.70 | 32.90 | +3.80 |"
+
+
 # --------------------------------------------------------------------------- series
 def test_series_wall_times_from_summary(tmp_path):
     from helpers import results
