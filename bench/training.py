@@ -17,9 +17,19 @@ and hands it to every run:
 * ``megatron_sdpa`` (with ``--with-sdpa-attention``): the same loop with torch's fused attention
   kernel (``core_attention="sdpa"``, :class:`helpers.attention.SDPAttention`) in the local spec's
   core-attention slot, to show what the kernel choice is worth in a whole step;
+* ``megatron_lm`` (unless ``--without-megatron-lm``): Megatron-LM's own loop,
+  ``helpers.pretrain_gpt`` under torchrun with the config's flags, logging every iteration;
+  its times are the ``elapsed time per iteration`` of its log lines;
 * ``trainer``: ``transformers.Trainer`` + ``GPT2LMHeadModel`` (``sdpa`` attention by
   default, ``--hf-attention eager`` for the unfused path), the labels given as
   ``shift_labels`` so both sides predict the same ``seq_length`` tokens per sample.
+
+Besides the medians, each repeat gives one ratio per side against the Trainer (the sides of a
+repeat run back to back, so slow drift of a shared machine cancels in it); the report gives
+their median and range. After its timed iterations, each run of the ``megatron`` and
+``trainer`` sides takes ``--profile-steps`` more steps under ``torch.profiler``; the report
+sums their self CPU time per operator into groups (:data:`OP_CATEGORIES`) and lists the
+operators that differ most, so that every millisecond of the difference has a name.
 
 Each side runs in its own process (``torch.set_num_threads(--threads)``), the runs are
 interleaved, and the first ``--warmup`` iterations of each run are left out of the timing.
@@ -34,7 +44,7 @@ the GPU's peak dense bf16 FLOP/s). Without CUDA it stops with a message saying s
 
 Run (from the repository root)::
 
-    python -m bench.training                    # CPU, about 3-4 minutes on 2 cores
+    python -m bench.training                    # CPU, about 3.5 minutes on 2 cores
     python -m bench.training --device cuda      # a GPU machine
 """
 
@@ -301,6 +311,42 @@ def op_medians(per_run: list[dict[str, float]]) -> dict[str, float]:
     return {k: common.median(run_.get(k, 0.0) for run_ in per_run) for k in keys}
 
 
+#: Operator groups of :func:`category_table`, first match wins (``torch.profiler`` keys, by prefix).
+OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matrix multiplies", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("attention: softmax, mask, SDPA", ("aten::_scaled_dot_product", "aten::_softmax", "aten::masked_fill")),
+    ("cross-entropy over the vocabulary", ("aten::_log_softmax", "aten::nll_loss", "aten::max", "aten::exp",
+                                           "aten::sub_", "aten::div_", "_VocabParallelCrossEntropy")),
+    ("AdamW and the gradient norm", ("aten::_fused_adamw_", "aten::linalg_vector_norm", "Optimizer.", "aten::_foreach")),
+    ("GELU and LayerNorm", ("aten::gelu", "aten::native_layer_norm")),
+    ("gradient buffers: zero, copy, accumulate", ("aten::fill_", "aten::zero_", "aten::copy_", "aten::add_",
+                                                  "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad",
+                                                  "torch::autograd::AccumulateGrad")),
+    ("other element-wise (add, mul, sum, cat)", ("aten::add", "aten::mul", "aten::sum", "aten::cat")),
+    ("communication (gloo)", ("c10d::",)),
+)
+
+
+def op_category(key: str) -> str:
+    """The :data:`OP_CATEGORIES` group of a ``torch.profiler`` operator key, else the catch-all group."""
+    return next((name for name, prefixes in OP_CATEGORIES if key.startswith(prefixes)),
+                "autograd, views, Megatron's autograd functions, Python, the rest")
+
+
+def category_table(ops: dict[str, dict[str, float]], a: str = "megatron", b: str = "trainer") -> str:
+    """Markdown: self CPU milliseconds per step of sides ``a`` and ``b`` summed by :func:`op_category`,
+    so that every millisecond of the difference lands in a named group; then the totals."""
+    groups = [name for name, _ in OP_CATEGORIES] + [op_category("")]
+    sums = {side: {g: 0.0 for g in groups} for side in (a, b)}
+    for side in (a, b):
+        for key, ms in ops[side].items():
+            sums[side][op_category(key)] += ms
+    rows = [[g, sums[a][g], sums[b][g]] for g in groups]
+    rows.append(["**total self CPU time per step**", sum(sums[a].values()), sum(sums[b].values())])
+    return common.markdown_table(["group", f"{a} ms/step", f"{b} ms/step", "difference ms"],
+                                 [[r[0], f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[1] - r[2]:+.2f}"] for r in rows])
+
+
 def attribution_table(ops: dict[str, dict[str, float]], a: str = "megatron", b: str = "trainer", top: int = 12) -> str:
     """Markdown: the operators whose self CPU time per step differs most between sides ``a`` and
     ``b`` (torch.profiler, milliseconds), then every other operator summed, then the totals."""
@@ -460,7 +506,8 @@ def report(result: dict[str, Any]) -> str:
     ops = result.get("op_ms_per_step", {})
     if "megatron" in ops and "trainer" in ops:
         text += ("\nWhere the time goes (torch.profiler over the steps after the timed ones, self CPU time per "
-                 "operator, median over the repeats):\n\n" + attribution_table(ops) + "\n")
+                 "operator, median over the repeats), by group:\n\n" + category_table(ops)
+                 + "\n\nand the operators that differ most:\n\n" + attribution_table(ops) + "\n")
     sdpa = result.get("speedup_tokens_per_second_megatron_sdpa_vs_trainer")
     if sdpa is not None:
         text += f"megatron-core with torch's fused SDPA attention / Trainer tokens/s: {sdpa:.2f}x\n"

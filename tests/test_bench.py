@@ -227,6 +227,22 @@ def test_the_attribution_table_accounts_for_every_millisecond():
     assert table[5] == "| **total self CPU time per step** | 36.70 | 32.90 | +3.80 |"
 
 
+def test_every_operator_lands_in_one_group():
+    assert bench_train.op_category("aten::addmm") == "matrix multiplies"
+    assert bench_train.op_category("aten::_log_softmax_backward_data") == "cross-entropy over the vocabulary"
+    assert bench_train.op_category("aten::add_") == "gradient buffers: zero, copy, accumulate"
+    assert bench_train.op_category("aten::add") == "other element-wise (add, mul, sum, cat)"
+    assert bench_train.op_category("c10d::allreduce_") == "communication (gloo)"
+    assert bench_train.op_category("aten::view").startswith("autograd, views")
+    ops = {"megatron": {"aten::mm": 30.0, "aten::bmm": 2.0, "aten::max": 2.5, "aten::view": 0.5},
+           "trainer": {"aten::addmm": 31.0, "aten::_log_softmax": 4.0, "aten::_scaled_dot_product_flash_attention_for_cpu": 1.5}}
+    table = bench_train.category_table(ops).splitlines()
+    assert table[2] == "| matrix multiplies | 32.00 | 31.00 | +1.00 |"
+    assert table[3] == "| attention: softmax, mask, SDPA | 0.00 | 1.50 | -1.50 |"
+    assert table[4] == "| cross-entropy over the vocabulary | 2.50 | 4.00 | -1.50 |"
+    assert table[-1] == "| **total self CPU time per step** | 35.00 | 36.50 | -1.50 |"  # the groups add up to the totals
+
+
 # --------------------------------------------------------------------------- series
 def test_series_wall_times_from_summary(tmp_path):
     from helpers import results
