@@ -153,6 +153,10 @@ def main() -> int:
     run_folder = Path(args.save).resolve().parent if args.save else None
     with run_guard.run_folder_lock(run_folder, enabled=run_folder is not None and int(os.environ.get("RANK", "0")) == 0):
         pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    if torch.distributed.is_initialized():
+        # End the process group before the interpreter does: a DP=2 rank once aborted at exit, after its
+        # last evaluation, with "terminate called without an active exception" (a joinable C++ thread).
+        torch.distributed.destroy_process_group()
     return 0
 
 
