@@ -16,7 +16,6 @@ Plumbing: notebook 01 shows the one-thread version of the same work (``encode_ba
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -26,31 +25,13 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from helpers import run_guard
 from helpers import tokenizer as tokenizer_mod
-
-@contextlib.contextmanager
-def _environ(name: str, value: str | None, *, keep_existing: bool = False) -> Iterator[None]:
-    """``os.environ[name] = value`` for the block, then the old state back.
-
-    ``value=None``, or ``keep_existing`` with ``name`` already set, leaves the variable alone.
-    """
-    old = os.environ.get(name)
-    if value is None or (keep_existing and old is not None):
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _tokenizers_parallelism(enabled: bool):
     """Set ``TOKENIZERS_PARALLELISM`` for the block (HF tokenizers reads it at every call)."""
-    return _environ("TOKENIZERS_PARALLELISM", "true" if enabled else "false")
+    return run_guard.environ("TOKENIZERS_PARALLELISM", "true" if enabled else "false")
 
 
 def _rayon_threads(num_workers: int):
@@ -60,7 +41,7 @@ def _rayon_threads(num_workers: int):
     the variable is restored afterwards so that it does not cap other Rust libraries (HF
     ``tokenizers`` has a pool of its own) for the rest of the process.
     """
-    return _environ("RAYON_NUM_THREADS", str(num_workers) if num_workers >= 1 else None, keep_existing=True)
+    return run_guard.environ("RAYON_NUM_THREADS", str(num_workers) if num_workers >= 1 else None, keep_existing=True)
 
 
 #: Tokenizing engines of :func:`tokenize_to_indexed_dataset` (``"auto"`` picks one of the others).

@@ -170,10 +170,16 @@ def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True, name: 
 
 
 @contextlib.contextmanager
-def environ(name: str, value: str) -> Iterator[None]:
+def environ(name: str, value: str | None, *, keep_existing: bool = False) -> Iterator[None]:
     """Set the environment variable ``name`` to ``value`` for the block (processes started in it
-    inherit it), then restore what was there."""
+    inherit it), then restore what was there.
+
+    ``value=None``, or ``keep_existing`` with ``name`` already set, leaves the variable alone.
+    """
     before = os.environ.get(name)
+    if value is None or (keep_existing and before is not None):
+        yield
+        return
     os.environ[name] = value
     try:
         yield
