@@ -362,6 +362,13 @@ RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", 
                    "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
 
 
+def training_differences(cfg: TrainingConfig, saved: dict[str, Any], also_ignore: frozenset[str] = frozenset()) -> list[str]:
+    """``"field: saved -> cfg"`` for every field outside :data:`RUN_ONLY_FIELDS` (and ``also_ignore``)
+    in which ``cfg`` would train differently from a saved ``run.json`` (``saved``)."""
+    ignored = RUN_ONLY_FIELDS | also_ignore
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items() if k not in ignored and saved.get(k) != v]
+
+
 def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
     """Refuse to hand back a finished run's results (``saved``: its ``run.json``) for a config
     that would train differently.
@@ -369,8 +376,7 @@ def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
     Raises:
         ValueError: a field outside :data:`RUN_ONLY_FIELDS` differs; the message lists them and the fixes.
     """
-    diffs = [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items()
-             if k not in RUN_ONLY_FIELDS and saved.get(k) != v]
+    diffs = training_differences(cfg, saved)
     if diffs:
         raise ValueError(
             f"{cfg.run_path} already holds a finished run (train_iters={saved.get('train_iters')}) trained with other "

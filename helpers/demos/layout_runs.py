@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from helpers.demos.launch_plans import launch_plan
 from helpers.launch import _ITERATION
 from helpers.model import Layout, ModelConfig, check_layout
-from helpers.training_config import RUN_ONLY_FIELDS
+from helpers.training_config import training_differences
 
 #: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
 _NOTEBOOK = "05_parallelism"
@@ -239,9 +239,8 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     cfg.check(layout.world_size)
     config_path, result_path = folder / "run.json", folder / "layout_run.json"
     # what the run trains must match; paths and logging need not (a copied or moved run folder keeps its runs)
-    ignored = RUN_ONLY_FIELDS | {"pretrained_checkpoint"}
-    if config_path.exists() and ({k: v for k, v in json.loads(config_path.read_text()).items() if k not in ignored}
-                                 != {k: v for k, v in cfg.to_dict().items() if k not in ignored}):
+    if config_path.exists() and training_differences(cfg, json.loads(config_path.read_text()),
+                                                     also_ignore=frozenset({"pretrained_checkpoint"})):
         raise ValueError(
             f"{folder} holds a run of another config ({config_path}). Nothing was launched or changed: use another "
             f"run_dir, or delete {folder}" + (f" and {ckpt}" if checkpoint_dir else "") + " to rerun."
