@@ -187,26 +187,26 @@ def _side_megatron_lm(opts: dict[str, Any]) -> dict[str, Any]:
     """Megatron-LM's own loop (``helpers.pretrain_gpt`` under torchrun, one process) on the same
     config, logging every iteration; its per-iteration times are the ``elapsed time per iteration``
     of its log lines (Megatron-LM's ``training_log``, timers included)."""
-    import re
-
-    from helpers import launch, megatron_args
+    from helpers import launch, megatron_args, metrics
     from helpers.model import count_parameters
 
-    cfg = replace(training_config(opts), log_interval=1,
-                  checkpoint_dir=str(Path(opts["out_dir"]) / "megatron_lm_checkpoints"))
-    shutil.rmtree(cfg.checkpoint_path, ignore_errors=True)  # a fresh run every time, never a resume
+    out = Path(opts["out_dir"])
+    cfg = replace(training_config(opts), log_interval=1, checkpoint_dir=str(out / "megatron_lm_checkpoints"),
+                  tensorboard_dir=str(out / "megatron_lm_tensorboard"))
+    for folder in (cfg.checkpoint_path, cfg.tensorboard_path):  # a fresh run every time, never a resume
+        shutil.rmtree(folder, ignore_errors=True)
     t0 = time.perf_counter()
     res = launch.torchrun([megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)], nproc_per_node=1,
                           timeout_s=float(opts.get("timeout_s", 280)), on_line=None,
                           env={**os.environ, **megatron_args.ENV, "OMP_NUM_THREADS": str(opts["threads"])})
-    lines = [line for line in res.output.splitlines() if "elapsed time per iteration (ms):" in line]
-    if len(lines) < cfg.train_iters:
-        raise common.BenchError(f"Megatron-LM's loop failed or logged {len(lines)} of {cfg.train_iters} iterations:\n"
+    records = metrics.from_megatron_lm(cfg, res.output, write=False)  # its log's times, TensorBoard's losses
+    if len(records["train"]) < cfg.train_iters:
+        raise common.BenchError(f"Megatron-LM's loop logged {len(records['train'])} of {cfg.train_iters} iterations:\n"
                                 + "\n".join(res.output.splitlines()[-25:]))
-    ms = [float(re.search(r"elapsed time per iteration \(ms\): ([0-9.]+)", line).group(1)) for line in lines]
-    losses = [float(re.search(r"lm loss: ([0-9.E+-]+)", line).group(1)) for line in lines]
+    seconds = [r["s_per_iter"] for r in records["train"]]
+    losses = [r["lm_loss"] for r in records["iteration"]]
     shutil.rmtree(cfg.checkpoint_path, ignore_errors=True)
-    return {"setup_seconds": time.perf_counter() - t0 - sum(ms) / 1e3, "iteration_seconds": [x / 1e3 for x in ms[opts["warmup"]:]],
+    return {"setup_seconds": time.perf_counter() - t0 - sum(seconds), "iteration_seconds": seconds[opts["warmup"]:],
             "losses": losses, "parameters": count_parameters(cfg.model), "precision": "fp32" if cfg.precision != "bf16" else "bf16",
             "optimizer": "Megatron-LM get_megatron_optimizer", "gpu_peak_allocated_bytes": None,
             "implementation": "Megatron-LM's own loop (pretrain_gpt under torchrun, local spec)"}
