@@ -551,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.iters is not None and args.iters <= args.warmup:
         parser.error(f"--iters={args.iters} must be above --warmup={args.warmup}")
+    for name in ("repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)} must be at least 1")
+    for name in ("warmup", "profile_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be 0 or more")
     try:
         result = run(args)
     except common.BenchError as err:

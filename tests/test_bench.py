@@ -208,6 +208,13 @@ def test_training_config_is_the_same_for_both_sides(tmp_path):
     assert cfg.train_iters == 12 and cfg.save_interval is None
 
 
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--threads", "0"], ["--warmup", "-1"], ["--profile-steps", "-1"]])
+def test_bad_numbers_are_refused_before_anything_runs(bad, capsys):
+    with pytest.raises(SystemExit):
+        bench_train.main(bad)
+    assert f"{bad[0]}={bad[1]} must be" in capsys.readouterr().err
+
+
 def test_profiled_steps_come_after_the_timed_ones(tmp_path):
     opts = {"profile": "cpu", "run_dir": str(tmp_path), "out_dir": str(tmp_path / "o"), "vocab_size": 8192,
             "seq_length": None, "micro_batch_size": None, "global_batch_size": None, "iters": 30, "profile_steps": 3}
