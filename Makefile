@@ -52,7 +52,7 @@ wheelhouse: venv-python
 install: venv-python $(VENV)/.installed
 
 tutorial: install
-	$(PY) -m helpers.series run $(ARGS)
+	$(PY) -m helpers.runner.series run $(ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -71,17 +71,17 @@ RUN ?= runs/latest
 ONLY ?=
 WORKERS ?= 2
 solutions: install
-	$(PY) -m helpers.series solutions --run-dir $(RUN) --workers $(WORKERS) $(if $(ONLY),--only $(ONLY))
+	$(PY) -m helpers.runner.series solutions --run-dir $(RUN) --workers $(WORKERS) $(if $(ONLY),--only $(ONLY))
 
 # The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
 book: install
-	$(PY) -m helpers.book $(RUN)
+	$(PY) -m helpers.runner.book $(RUN)
 
-# Is this machine ready for the series? Under 30 s, before or after install (helpers/readiness.py):
+# Is this machine ready for the series? Under 30 s, before or after install (helpers/runner/readiness.py):
 # Python, disk, memory, cores, packages or a wheelhouse, JupyterLab's port, an estimated series time.
 check:
 	@py=$$( [ -x $(PY) ] && echo $(PY) || PYTHON="$(PYTHON)" tools/find-python 2>/dev/null || echo python3 ); \
-	$$py -m helpers.readiness
+	$$py -m helpers.runner.readiness
 
 # On a machine with an NVIDIA GPU, a few minutes: the gpu profile's throughput and MFU in bf16,
 # TP=2 against TP=1 (two GPUs), conversion exactness on the GPU; one table (bench/gpu_check.py).

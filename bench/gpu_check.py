@@ -9,11 +9,11 @@
    auto``), with Transformer Engine's layer spec and Apex's fused AdamW when they are installed
    (the NGC container) and megatron-core's local spec and torch's fused AdamW otherwise; tokens/s
    (median over the log intervals) and MFU against the GPU's peak dense bf16 FLOP/s
-   (:data:`helpers.preflight.PEAK_BF16_FLOPS`); the target for this model on one H100/H200 is
+   (:data:`helpers.runner.preflight.PEAK_BF16_FLOPS`); the target for this model on one H100/H200 is
    at least 400k tokens/s, which is 31 % MFU by the series' FLOPs count (the issue asked "about 40 %",
    which would be 511k); the guide's own run averaged about 85k tokens/s per A100;
 3. **conversion on the GPU**: the trained checkpoint converted to transformers
-   (:func:`helpers.conversion.convert_to_hf`), both models in fp32 on the GPU: largest logit
+   (:func:`helpers.learn.conversion.convert_to_hf`), both models in fp32 on the GPU: largest logit
    difference, validation loss of both on training's own validation batches, greedy tokens;
 4. **TP=2 = TP=1** when there are two GPUs: the same checkpoint loaded by two tensor-parallel
    ranks (NCCL, fp32), their logits against the TP=1 model's.
@@ -47,7 +47,8 @@ SMOKE = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
 
 
 def _train(run: Path, data, iters: int, smoke: bool = False, **overrides: Any):
-    from helpers import launch, training_config
+    from helpers.runner import launch
+    from helpers.learn import training_config
 
     settings = dict(data_prefix=str(data.data_prefix), tokenizer_dir=str(data.tokenizer_dir), split=data.split,
                     train_iters=iters, lr_warmup_iters=max(1, iters // 10), lr_decay_iters=iters, log_interval=10,
@@ -83,7 +84,7 @@ def conversion_check(run: Path, cfg) -> tuple[dict[str, Any], Any, Any]:
     import torch
     from transformers import GPT2LMHeadModel
 
-    from helpers import checkpointing, conversion, tokenizer
+    from helpers.learn import checkpointing, conversion, tokenizer
     from helpers.demos import conversion_proofs as proofs
     from helpers.demos import generation
 
@@ -109,7 +110,8 @@ def conversion_check(run: Path, cfg) -> tuple[dict[str, Any], Any, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from helpers import data_stage, environment, preflight
+    from helpers.runner import data_stage, preflight
+    from helpers.support import environment
 
     if not torch.cuda.is_available() and not args.cpu_smoke:
         raise SystemExit("could not run: CUDA is not available on this machine (the GPU check needs an NVIDIA GPU). "

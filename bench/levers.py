@@ -1,7 +1,7 @@
 """CPU throughput levers for the cpu profile: bf16 autocast, torch.compile and thread count.
 
 Each lever is measured on one training step of the cpu profile's model shape
-(``helpers.model.profile("cpu")``: notebook 03's model, micro-batch 4), built as
+(``helpers.learn.model.profile("cpu")``: notebook 03's model, micro-batch 4), built as
 transformers' ``GPT2LMHeadModel`` (the converted form of the same model; megatron-core's
 ``GPTModel`` enters autocast only on CUDA in this series), forward + backward + AdamW, in one
 process with the sides interleaved (A B A B ...) and the median of the timed steps reported:
@@ -55,7 +55,7 @@ def matmul_gflops(dtype, m: int, k: int, n: int, repeats: int = 10) -> float:
 
 
 def make_step(kind: str, shape, seed: int = 1234) -> Callable[[], float]:
-    """A training step of model ``shape`` (a ``helpers.model.ModelConfig``) for side ``kind`` (fp32, bf16, compile)."""
+    """A training step of model ``shape`` (a ``helpers.learn.model.ModelConfig``) for side ``kind`` (fp32, bf16, compile)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = common.load_average()
     result: dict[str, Any] = {"machine": common.machine_info(), "cpu_flags": sorted(cpu_flags()), "threads": args.threads}
-    from helpers import model as model_mod
+    from helpers.learn import model as model_mod
 
     shape = model_mod.profile("cpu")
     m, k, n = 4 * shape.seq_length, shape.hidden_size, shape.vocab_size

@@ -4,7 +4,7 @@ Both sides read the same JSON Lines file, use the same tokenizer folder (``vocab
 ``merges.txt``, ``tokenizer.json``, ``tokenizer_config.json``), the same number of workers,
 ``--append-eod``, and write Megatron's ``<prefix>.bin/.idx``:
 
-* ``ours``: :func:`helpers.preprocess.tokenize_to_indexed_dataset` as the series runs it
+* ``ours``: :func:`helpers.learn.preprocess.tokenize_to_indexed_dataset` as the series runs it
   (``engine="auto"``: the Rust ``gigatoken`` encoder that Megatron-LM's newer
   ``tools/preprocess_data_fast.py`` uses, + megatron-core ``IndexedDatasetBuilder``), in a
   fresh process of this interpreter;
@@ -44,7 +44,7 @@ OUT_DIR = "bench_preprocess"
 #: Megatron-LM's tool names its output ``<output-prefix>_<json key>_document``.
 MEGATRON_SUFFIX = "_content_document"
 SIDES = ("ours", "ours_tokenizers", "megatron")
-#: The ``engine`` of :func:`helpers.preprocess.tokenize_to_indexed_dataset` each of our sides runs.
+#: The ``engine`` of :func:`helpers.learn.preprocess.tokenize_to_indexed_dataset` each of our sides runs.
 ENGINE_OF = {"ours": "auto", "ours_tokenizers": "tokenizers"}
 #: The oldest Python Megatron-LM's tools import under (``typing.override``, requires-python).
 MEGATRON_MIN_PYTHON = (3, 12)
@@ -117,8 +117,8 @@ def _side_ours(jsonl: str, tokenizer_dir: str, output_prefix: str, workers: int,
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (imported inside the call: keep it out of the phase)
     import tqdm.auto  # noqa: F401
 
-    from helpers.encoders import resolve_engine
-    from helpers.preprocess import tokenize_to_indexed_dataset
+    from helpers.learn.encoders import resolve_engine
+    from helpers.learn.preprocess import tokenize_to_indexed_dataset
 
     if resolve_engine(engine) == "gigatoken":
         import awkward  # noqa: F401
@@ -196,7 +196,7 @@ def literal_eod_explains(jsonl: str | os.PathLike, tokenizer_dir: str | os.PathL
 
     Megatron-LM's tools encode with transformers' ``tokenize``, which turns a literal
     ``<|endoftext|>`` inside a document into the EOD id; the series encodes it as text (see
-    :func:`helpers.tokenizer.load_fast_tokenizer`). For each listed document this re-encodes
+    :func:`helpers.learn.tokenizer.load_fast_tokenizer`). For each listed document this re-encodes
     the text the Megatron-LM way (HF ``tokenizers`` with special tokens recognised, EOD
     appended) and checks that it equals the stored ids.
 
@@ -207,7 +207,7 @@ def literal_eod_explains(jsonl: str | os.PathLike, tokenizer_dir: str | os.PathL
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from helpers import corpus, tokenizer
+    from helpers.learn import corpus, tokenizer
 
     texts = [t for t in corpus.read_contents(jsonl, json_key) if t]
     tok = tokenizer.load_fast_tokenizer(tokenizer_dir)
@@ -250,7 +250,7 @@ def input_file(jsonl: Path, copies: int, out_dir: Path) -> Path:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the preprocessing benchmark (see the module docstring); returns the result dict."""
-    from helpers.data_stage import build_data
+    from helpers.runner.data_stage import build_data
 
     sides = list(SIDES)
     tool = check_megatron_checkout(args.megatron_lm)
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        threads, engine] for side, engine in ENGINE_OF.items()}
     commands["megatron"] = megatron_command(args.megatron_python, tool, jsonl, tok, prefixes["megatron"], args.workers)
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # RAYON_NUM_THREADS (gigatoken's pool) is left to helpers.preprocess, which sets it to --workers.
+    # RAYON_NUM_THREADS (gigatoken's pool) is left to helpers.learn.preprocess, which sets it to --workers.
     envs = {side: common.child_env(offline, drop=("RAYON_NUM_THREADS",)) for side in ENGINE_OF}
     # Megatron-LM's tool runs with the megatron-core of its own commit, not with a wheel the
     # Python may have installed (the tool only appends the checkout to sys.path): the checkout
@@ -352,7 +352,7 @@ def summarize(sides: Sequence[str], stats: dict[str, common.SideStats], extra: d
 
 def report(result: dict[str, Any]) -> str:
     """The result as markdown: one row per side, then the output comparison."""
-    names = {"ours": "series (helpers.preprocess, engine={engine})",
+    names = {"ours": "series (helpers.learn.preprocess, engine={engine})",
              "ours_tokenizers": "series, engine={engine} (fallback)",
              "megatron": "Megatron-LM tools/preprocess_data.py"}
     rows = []

@@ -1,6 +1,6 @@
 """Recipe sweep: which cpu-profile training settings learn the most Python per CPU-second?
 
-Every candidate trains notebook 03's loop (:func:`helpers.launch.train`, megatron-core under
+Every candidate trains notebook 03's loop (:func:`helpers.runner.launch.train`, megatron-core under
 torchrun, one process) on the same data, notebook 01's defaults made once in
 ``{run_dir}/data`` (standard library plus 8 files of each installed package, CodeParrot's
 filters). The base every candidate's overrides apply to is the cpu recipe the sweep started
@@ -9,12 +9,12 @@ notebook 03's defaults before the sweep); the built-in ``h192-s128-gbs4-1000it``
 winner, notebook 03's defaults now. Each is then
 judged as notebook 07 judges the series' model, on the megatron-core checkpoint:
 
-* bits per byte on the **unseen set** (:data:`helpers.corpus.HELDOUT_PACKAGES`, the first 5
+* bits per byte on the **unseen set** (:data:`helpers.learn.corpus.HELDOUT_PACKAGES`, the first 5
   files of each package that pass the corpus filters, cut to 2,500 characters; never in the
   corpus) and on the first 8 documents of the validation split, windows every half sequence
   (notebook 07's default), next to ``gzip -9`` on the same bytes;
 * the syntax validity of 12 sampled completions (``def``, ``import``, ``class``; 4 each, 64
-  new tokens, temperature 0.8, top-k 50, seeded), :func:`helpers.evaluation.parses`.
+  new tokens, temperature 0.8, top-k 50, seeded), :func:`helpers.learn.evaluation.parses`.
 
 The candidates run one after the other (not interleaved: each is one whole training run), so
 the load average is printed before and after each; on a shared machine compare within one
@@ -60,7 +60,7 @@ PROMPTS = ("def", "import", "class")
 
 def held_out_sets(paths) -> dict[str, list[str]]:
     """The two sets notebook 07 scores (its defaults): validation documents and the unseen packages."""
-    from helpers import corpus, evaluation, preprocess, tokenizer
+    from helpers.learn import corpus, evaluation, preprocess, tokenizer
 
     documents = corpus.read_contents(paths.jsonl)
     valid_range = preprocess.split_document_ranges(paths.num_documents, paths.split)[1]
@@ -76,7 +76,7 @@ def judge(checkpoint_dir: Path, paths, sets: dict[str, list[str]], seed: int = 1
     """Bits per byte on both sets and the syntax validity of 12 samples, for the latest checkpoint."""
     import torch
 
-    from helpers import checkpointing, evaluation, tokenizer
+    from helpers.learn import checkpointing, evaluation, tokenizer
 
     tok = tokenizer.load_tokenizer(paths.tokenizer_dir)
     gpt, meta = checkpointing.load_model(checkpoint_dir)
@@ -101,7 +101,8 @@ def judge(checkpoint_dir: Path, paths, sets: dict[str, list[str]], seed: int = 1
 
 
 def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, sets: dict[str, list[str]]) -> dict[str, Any]:
-    from helpers import launch, training_config
+    from helpers.runner import launch
+    from helpers.learn import training_config
 
     settings = {**BASE, **overrides}
     model = {k: settings[k] for k in MODEL_FIELDS}
@@ -127,7 +128,7 @@ def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    from helpers import data_stage, series
+    from helpers.runner import data_stage, series
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run-dir", default="runs/recipe", help="folder of the data and one run folder per candidate")

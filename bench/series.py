@@ -2,7 +2,7 @@
 
 * ``--run-dir DIR`` reads ``DIR/summary.json`` (the series runner records each notebook's
   ``wall_seconds`` there) and checks the whole series against the 10-minute target;
-  ``--execute`` first runs the series into ``DIR`` (``python -m helpers.series run``, CPU
+  ``--execute`` first runs the series into ``DIR`` (``python -m helpers.runner.series run``, CPU
   profile by default) and also records the runner's own wall time (kernel start-ups included).
 * ``--install`` times a clean install into a new venv in a temporary folder:
   ``python -m venv`` then ``pip install -r requirements.txt`` then ``pip install --no-deps -e .``
@@ -42,17 +42,17 @@ def notebook_wall_times(run_dir: str | os.PathLike) -> list[tuple[str, float]]:
         FileNotFoundError: no ``summary.json`` in ``run_dir`` (run the series first).
         ValueError: no notebook in it has a ``wall_seconds`` entry.
     """
-    from helpers import results
+    from helpers.support import results
 
     path = Path(run_dir) / results.SUMMARY_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the series first (python -m helpers.series run "
+        raise FileNotFoundError(f"{path} not found: run the series first (python -m helpers.runner.series run "
                                 f"--run-dir {run_dir}) or pass --execute")
     summary = results.load_summary(run_dir)
     times = [(stem, float(v["wall_seconds"])) for stem, v in sorted(summary.items())
              if isinstance(v, dict) and "wall_seconds" in v]
     if not times:
-        raise ValueError(f"{path} has no notebook with a wall_seconds entry: was it written by helpers.series?")
+        raise ValueError(f"{path} has no notebook with a wall_seconds entry: was it written by helpers.runner.series?")
     return times
 
 
@@ -72,7 +72,7 @@ def execute_series(run_dir: Path, profile: str, timeout_s: float) -> common.Meas
     Raises:
         common.BenchError: the runner failed or ran past ``timeout_s``.
     """
-    cmd = [sys.executable, "-m", "helpers.series", "run", "--profile", profile, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "helpers.runner.series", "run", "--profile", profile, "--run-dir", str(run_dir)]
     return common.run_measured(cmd, cwd=common.ROOT, timeout_s=timeout_s, sample_interval_s=0.5,
                                what="the series run")
 

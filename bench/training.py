@@ -2,7 +2,7 @@
 
 Both sides train the same GPT-2 shape (the ``cpu`` model profile, notebook 03's model: 4 layers,
 hidden 192, 4 heads, sequence length 128, vocabulary 8,192; until 2026-12-01 hidden 256 and
-sequence 256, the shape of the RESULTS.md tables of that date; ``helpers.conversion.gpt2_config`` gives
+sequence 256, the shape of the RESULTS.md tables of that date; ``helpers.learn.conversion.gpt2_config`` gives
 ``GPT2LMHeadModel`` identical dimensions) on the same samples (the same megatron-core
 ``GPTDataset``, read in order) with the same batch (the ``cpu`` training profile's: micro-batch
 4, global batch 8, i.e. two micro-batches of gradient accumulation, when RESULTS.md was
@@ -10,15 +10,15 @@ measured), optimizer settings (fused AdamW, the profile's lr, weight decay 0.1 w
 on biases and LayerNorm, clip 1.0), fp32 on CPU. The parent builds one ``TrainingConfig``
 and hands it to every run:
 
-* ``megatron``: :func:`helpers.core_loop.setup` + :func:`helpers.core_loop.train_step` (GPTModel
+* ``megatron``: :func:`helpers.demos.core_loop.setup` + :func:`helpers.demos.core_loop.train_step` (GPTModel
   with the local layer spec and megatron-core's own ``DotProductAttention``, megatron-core DDP,
   ``get_forward_backward_func`` schedule, ``get_megatron_optimizer``, ``OptimizerParamScheduler``),
   notebook 03's loop, whose losses equal Megatron-LM's own loop's;
 * ``megatron_sdpa`` (with ``--with-sdpa-attention``): the same loop with torch's fused attention
-  kernel (``core_attention="sdpa"``, :class:`helpers.attention.SDPAttention`) in the local spec's
+  kernel (``core_attention="sdpa"``, :class:`helpers.learn.attention.SDPAttention`) in the local spec's
   core-attention slot, to show what the kernel choice is worth in a whole step;
 * ``megatron_lm`` (unless ``--without-megatron-lm``): Megatron-LM's own loop,
-  ``helpers.pretrain_gpt`` under torchrun with the config's flags, logging every iteration;
+  ``helpers.learn.pretrain_gpt`` under torchrun with the config's flags, logging every iteration;
   its times are the ``elapsed time per iteration`` of its log lines;
 * ``trainer``: ``transformers.Trainer`` + ``GPT2LMHeadModel`` (``sdpa`` attention by
   default, ``--hf-attention eager`` for the unfused path), the labels given as
@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from helpers import preflight
+from helpers.runner import preflight
 
 OUT_DIR = "bench_training"
 SIDES = ("megatron", "megatron_sdpa", "megatron_lm", "trainer")
@@ -70,7 +70,7 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak: float | None) ->
     """Model FLOPs utilisation: achieved model FLOP/s over the peak (a fraction, 0..1).
 
     Source: Chowdhery et al. 2022 (PaLM), appendix B; ``flops_per_token`` from
-    :func:`helpers.model.flops_per_token` (forward + backward, no recomputation counted).
+    :func:`helpers.learn.model.flops_per_token` (forward + backward, no recomputation counted).
     """
     if not peak:
         return None
@@ -97,14 +97,14 @@ def timed_iterations(step_end_times: list[float], start_time: float, warmup: int
 
 # --------------------------------------------------------------------------- configuration
 def training_config(opts: dict[str, Any]):
-    """The :class:`helpers.training_config.TrainingConfig` both sides use, from the benchmark options.
+    """The :class:`helpers.learn.training_config.TrainingConfig` both sides use, from the benchmark options.
 
     The parent process builds it once and passes it to both sides as a dict
     (``opts["config"]``), so every run of the benchmark trains with the same settings even if
-    the profiles in ``helpers.training_config`` change while it runs. Batch sizes left ``None`` in
+    the profiles in ``helpers.learn.training_config`` change while it runs. Batch sizes left ``None`` in
     ``opts`` are the profile's own.
     """
-    from helpers.training_config import TrainingConfig, profile, resolve_precision
+    from helpers.learn.training_config import TrainingConfig, profile, resolve_precision
 
     if "config" in opts:
         return TrainingConfig.from_dict(opts["config"])
@@ -145,8 +145,9 @@ def _set_threads(threads: int) -> None:
 def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> dict[str, Any]:
     import torch
 
-    from helpers import core_loop, distributed
-    from helpers.training_config import resolve_precision
+    from helpers.demos import core_loop
+    from helpers.learn import distributed
+    from helpers.learn.training_config import resolve_precision
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
@@ -184,11 +185,11 @@ def _side_megatron(opts: dict[str, Any], core_attention: str | None = None) -> d
 
 
 def _side_megatron_lm(opts: dict[str, Any]) -> dict[str, Any]:
-    """Megatron-LM's own loop (``helpers.pretrain_gpt`` under torchrun, one process) on the same
+    """Megatron-LM's own loop (``helpers.learn.pretrain_gpt`` under torchrun, one process) on the same
     config, logging every iteration; its per-iteration times are the ``elapsed time per iteration``
     of its log lines (Megatron-LM's ``training_log``, timers included)."""
-    from helpers import launch, megatron_args, metrics
-    from helpers.model import count_parameters
+    from helpers.runner import launch, megatron_args, metrics
+    from helpers.learn.model import count_parameters
 
     out = Path(opts["out_dir"])
     cfg = replace(training_config(opts), log_interval=1, checkpoint_dir=str(out / "megatron_lm_checkpoints"),
@@ -238,8 +239,8 @@ def _side_trainer(opts: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from helpers import conversion, dataloader
-    from helpers import tokenizer as tokenizer_mod
+    from helpers.learn import conversion, dataloader
+    from helpers.learn import tokenizer as tokenizer_mod
 
     _set_threads(opts["threads"])
     cfg = training_config(opts)
@@ -374,7 +375,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         SystemExit: ``--device cuda`` without a CUDA GPU (the message says what runs instead).
     """
-    from helpers.data_stage import build_data
+    from helpers.runner.data_stage import build_data
 
     if args.device == "cuda" and not cuda_available():
         raise SystemExit(
@@ -433,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"({tokens_per_iter / per_iter:,.0f} tokens/s), loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}, "
                   f"set-up {res['setup_seconds']:.1f} s, process {m.wall_seconds:.1f} s, peak RSS {m.peak_rss_mb:.0f} MB",
                   flush=True)
-    from helpers.model import flops_per_token
+    from helpers.learn.model import flops_per_token
 
     # one ratio per repeat: the sides of a repeat ran minutes apart at most, so drift cancels in each
     pair_ratios = {side: [t / m for t, m in zip(stats["trainer"].summary()["phase_seconds"], stats[side].summary()["phase_seconds"])]

@@ -23,7 +23,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def series_run(tmp_path_factory):
     """Execute every notebook in order with the `smoke` profile into one run folder."""
-    from helpers import results, series
+    from helpers.support import results
+    from helpers.runner import series
 
     run_dir = tmp_path_factory.mktemp("series-smoke")
     runs = series.run("smoke", run_dir=run_dir)

@@ -1,10 +1,10 @@
-"""helpers.attention (the SDPA core attention) against megatron-core's unfused one, and notebook 04's benchmark of both (helpers.demos.model_fusions)."""
+"""helpers.learn.attention (the SDPA core attention) against megatron-core's unfused one, and notebook 04's benchmark of both (helpers.demos.model_fusions)."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import attention, model
+from helpers.learn import attention, model
 from helpers.demos import model_fusions
 
 

@@ -14,7 +14,7 @@ from bench import common
 from bench import preprocess as bench_pre
 from bench import series as bench_series
 from bench import training as bench_train
-from helpers import preflight
+from helpers.runner import preflight
 
 pytestmark = pytest.mark.trains
 
@@ -252,7 +252,7 @@ def test_every_operator_lands_in_one_group():
 
 # --------------------------------------------------------------------------- series
 def test_series_wall_times_from_summary(tmp_path):
-    from helpers import results
+    from helpers.support import results
 
     with pytest.raises(FileNotFoundError, match="run the series first"):
         bench_series.notebook_wall_times(tmp_path)
@@ -276,7 +276,7 @@ def test_count_pip_sources():
 
 
 def test_our_two_sides_name_their_engine_and_write_the_same_files(tmp_path, capsys):
-    from helpers import corpus, encoders, tokenizer
+    from helpers.learn import corpus, encoders, tokenizer
 
     texts = ["def f(x):\n    return x + 1\n", "s = '<|endoftext|>'  # a literal EOD string\n",
              "class A:\n    pass\n" * 20, "import os\nprint(os.sep)\n"]

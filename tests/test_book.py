@@ -1,4 +1,4 @@
-"""helpers.book (make book): the smoke series' executed notebooks as a static site."""
+"""helpers.runner.book (make book): the smoke series' executed notebooks as a static site."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers import book
+from helpers.runner import book
 
 
 def test_a_run_without_executed_notebooks_says_what_to_run(tmp_path, capsys):

@@ -44,7 +44,7 @@ def lab(tmp_path):
     """JupyterLab serving the repository (notebook 00's copy with smoke parameters); yields (port, copy)."""
     import papermill
 
-    from helpers import launch, series
+    from helpers.runner import launch, series
 
     source = ROOT / "notebooks" / f"{NOTEBOOK}.ipynb"
     copy = source.with_name(f"browser-test-{source.name}")  # not NN_*.ipynb: never one of the series' notebooks
@@ -125,7 +125,7 @@ def test_notebook_00_runs_through_jupyterlab_in_chromium_without_an_error(lab):
 
 def _open_the_book(page, executed: Path) -> str:
     """``make book`` of a run holding the notebook just run, opened in the same browser: index, then the page."""
-    from helpers import book
+    from helpers.runner import book
 
     run = executed.parent.parent / "runs" / "browser-test" / "run"
     (run / "executed").mkdir(parents=True, exist_ok=True)

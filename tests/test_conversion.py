@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import checkpointing, conversion
-from helpers import model as model_lib
-from helpers import tokenizer as tokenizer_lib
+from helpers.learn import checkpointing, conversion
+from helpers.learn import model as model_lib
+from helpers.learn import tokenizer as tokenizer_lib
 from helpers.demos import conversion_proofs as proofs
 from helpers.demos import conversion_way_back, generation, tensor_parallel_run
-from helpers.distributed import initialize_distributed
+from helpers.learn.distributed import initialize_distributed
 
 pytestmark = [pytest.mark.trains, pytest.mark.timeout(300)]
 
@@ -64,7 +64,7 @@ def tokens(batch: int = 2, seq: int = 32, vocab: int = VOCAB, seed: int = 1) -> 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     """A byte-level BPE of exactly 300 entries (not a multiple of 128) trained on stdlib files."""
-    from helpers import corpus
+    from helpers.learn import corpus
 
     files = corpus.list_python_files(corpus.stdlib_dir())[:40]
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
@@ -403,8 +403,8 @@ def test_bad_paths_and_tokenizers_are_clear_errors(plain_checkpoint, tokenizer_d
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """What notebooks 01 and 03 leave: 60 stdlib files, BPE of 300 entries, 6 iterations of a 2-layer GPT."""
-    from helpers import data_stage, launch
-    from helpers.training_config import TrainingConfig
+    from helpers.runner import data_stage, launch
+    from helpers.learn.training_config import TrainingConfig
 
     run = tmp_path_factory.mktemp("run")
     paths = data_stage.build_data(run, max_files=60, vocab_size=VOCAB, split="90,10,0", progress=False)
@@ -465,7 +465,8 @@ def test_megatron_lms_loop_starts_from_the_way_back_with_the_transformers_weight
     """The way back writes the weights only; Megatron-LM's loop starts from them with --pretrained-checkpoint
     (a fresh optimizer, iteration 0): its first loss, before any update, is the transformers model's on the
     same training samples (notebook 06, section 13)."""
-    from helpers import dataloader, launch
+    from helpers.learn import dataloader
+    from helpers.runner import launch
 
     run, ckpt_dir, _ = trained_run
     hf_dir = conversion.convert_to_hf_cached(ckpt_dir, tmp_path / "hf").output_dir

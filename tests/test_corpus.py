@@ -1,4 +1,4 @@
-"""helpers.corpus: CodeParrot's cleaning filters (the guide's and the later ones, near-duplicates
+"""helpers.learn.corpus: CodeParrot's cleaning filters (the guide's and the later ones, near-duplicates
 included), sources, order, bad input, loose JSON."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import string
 
 import pytest
 
-from helpers import corpus, data_stage, preprocess
+from helpers.learn import corpus, preprocess
+from helpers.runner import data_stage
 
 GOOD = "import os\n\n\ndef main(argv):\n    return len(argv) + 1\n"
 
@@ -379,7 +380,7 @@ def test_build_data_records_the_new_filters_in_the_manifest(tmp_path):
 def test_notebook_07_scores_the_packages_the_corpus_leaves_out():
     import ast
 
-    from helpers import series
+    from helpers.runner import series
 
     params = series.notebook_parameters(series.NOTEBOOK_DIR / "07_evaluation.ipynb")
     assert tuple(ast.literal_eval(params["heldout_packages"]["default"]).split(",")) == corpus.HELDOUT_PACKAGES

@@ -1,4 +1,4 @@
-"""helpers.cpu_compat: each shim is still needed (the unpatched megatron-core call fails on CPU)
+"""helpers.support.cpu_compat: each shim is still needed (the unpatched megatron-core call fails on CPU)
 and works once applied. When megatron-core stops needing a shim, a test here fails: delete
 the shim and its test."""
 
@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from helpers import cpu_compat
+from helpers.support import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are for machines without CUDA")
 
@@ -19,7 +19,7 @@ CUDA_ERRORS = (AssertionError, RuntimeError)
 @pytest.fixture(scope="module")
 def dist1():
     """A one-process gloo group with megatron-core's parallel state (TP=PP=1), seeded."""
-    from helpers import distributed
+    from helpers.learn import distributed
 
     info = distributed.initialize_distributed(1, 1, seed=1234)
     yield info
@@ -29,7 +29,7 @@ def dist1():
 def _tiny_model():
     from megatron.core import tensor_parallel
 
-    from helpers import model
+    from helpers.learn import model
 
     tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
     cfg = model.ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,
@@ -40,7 +40,7 @@ def _tiny_model():
 @pytest.mark.parametrize("shim", cpu_compat.SHIMS + (cpu_compat.WHEEL_SHIM,), ids=lambda s: s.name)
 def test_named_lines_still_hold_the_cuda_only_call(shim):
     """The megatron-core lines each shim names still make the CUDA-only call it works around."""
-    from helpers.environment import package_version
+    from helpers.support.environment import package_version
 
     assert package_version("megatron-core") == cpu_compat.MEGATRON_CORE_VERSION
     source = cpu_compat.source_lines(shim)
@@ -312,7 +312,7 @@ def test_megatron_training_is_patched_only_in_a_process_that_runs_it():
     import subprocess
     import sys
 
-    probe = ("import logging, sys\nfrom helpers import cpu_compat\ncpu_compat.apply()\n"
+    probe = ("import logging, sys\nfrom helpers.support import cpu_compat\ncpu_compat.apply()\n"
              "print('megatron.training.training' in sys.modules, logging.getLogger().level)\n"
              "import megatron.training.training\ncpu_compat.apply()\n"
              "print(cpu_compat._state['training_applied'], type(megatron.training.initialize.torch).__name__)")

@@ -1,4 +1,4 @@
-"""helpers.dataloader: GPTDataset samples and indices, the empty-split guard, cache, blending."""
+"""helpers.learn.dataloader: GPTDataset samples and indices, the empty-split guard, cache, blending."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import corpus, data_stage, dataloader, preprocess
+from helpers.learn import corpus, dataloader, preprocess
+from helpers.runner import data_stage
 from helpers.demos import dataset_indices
 from helpers.demos import preprocessing as preprocessing_demo
 

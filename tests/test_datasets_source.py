@@ -1,4 +1,4 @@
-"""helpers.hub_datasets: a 🤗 ``datasets`` source (``source="hf:..."``) read by the real
+"""helpers.learn.hub_datasets: a 🤗 ``datasets`` source (``source="hf:..."``) read by the real
 ``datasets.load_dataset`` from local files the tests write, through the corpus's cleaning and
 ``build_data`` to the loose JSON; spellings, splits, columns, the document limit, and the offline
 and unreachable Hub errors (no network is used)."""
@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from helpers import corpus, data_stage, hub_datasets, preprocess
+from helpers.learn import corpus, hub_datasets, preprocess
+from helpers.runner import data_stage
 
 datasets = pytest.importorskip("datasets")
 
@@ -200,7 +201,7 @@ def test_an_unreachable_hub_fails_within_the_timeout(monkeypatch):
 
 
 def test_the_default_source_never_imports_datasets():
-    code = "import sys, helpers.corpus, helpers.data_stage; print('datasets' in sys.modules)"
+    code = "import sys, helpers.learn.corpus, helpers.runner.data_stage; print('datasets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip() == "False"
 
@@ -208,7 +209,7 @@ def test_the_default_source_never_imports_datasets():
 def test_offline_from_the_start_reads_the_cache_and_names_a_miss():
     """HF_HUB_OFFLINE=1 before anything is imported (a cluster's compute node): load_dataset may use
     the local cache, so it is called; a dataset that is not cached fails at once with the hint."""
-    code = ("from helpers import hub_datasets\n"
+    code = ("from helpers.learn import hub_datasets\n"
             "try:\n    list(hub_datasets.read_dataset('hf:codeparrot/never-cached-here'))\n"
             "except ConnectionError as err:\n    print('ConnectionError:', err)\n")
     start = time.perf_counter()

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import model, optimizer, results
+from helpers.learn import model, optimizer
+from helpers.support import results
 from helpers.demos import adamw, fused_ops, model_fusions, roofline, timing
 
 TINY = model.profile("cpu", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import environment
+from helpers.support import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""helpers.evaluation on real values: a real (tiny) byte-level BPE, real subprocesses."""
+"""helpers.learn.evaluation on real values: a real (tiny) byte-level BPE, real subprocesses."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import evaluation as ev
-from helpers import tokenizer as tk
+from helpers.learn import evaluation as ev
+from helpers.learn import tokenizer as tk
 
 TEXT = 'def greet(name):\n    """Say héllo → to name."""\n    return f"hello {name}!"\n'
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    """A 400-entry byte-level BPE trained with helpers.tokenizer on three stdlib modules."""
+    """A 400-entry byte-level BPE trained with helpers.learn.tokenizer on three stdlib modules."""
     texts = [Path(m.__file__).read_text(encoding="utf-8") for m in (textwrap, gzip, json.decoder)]
     folder = tk.train_tokenizer(texts, tmp_path_factory.mktemp("eval") / "tokenizer", vocab_size=400)
     return tk.load_tokenizer(folder)
@@ -291,7 +291,7 @@ def test_distinct_n_counts_repeated_ngrams():
 
 
 def test_heldout_package_files_cleans_like_the_corpus(tok):
-    from helpers import corpus
+    from helpers.learn import corpus
 
     files = ev.heldout_package_files(["packaging"], tok, set(), max_files=3, more_filtering=False)
     kept = [f for f in files if not f["removed by"]]

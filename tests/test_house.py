@@ -1,21 +1,17 @@
-"""helpers/ stays a house a learner can read: no import cycles between its modules (counting the
-imports inside functions, the ones that hid the cycles before), the learner's path never imports
-the demonstrations, and every module stays short enough to read in one sitting."""
+"""helpers/ stays a house a learner can read: every module in the folder of its role, no import
+cycles between modules (counting the imports inside functions, the ones that hid the cycles before),
+and each role imports only the roles below it: the learner's package (learn) never imports the
+runner or the demonstrations. Sizes are measured (``shared/tools/house_metrics.py``), not capped."""
 
 from __future__ import annotations
 
 import ast
-import io
-import tokenize
 from pathlib import Path
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 
-#: Plumbing: what runs the series and keeps megatron-core working on a CPU; a learner need not read it.
-PLUMBING = {"series", "parameters", "results", "environment", "quiet", "cpu_compat", "launch", "encoders", "data_stage", "metrics",
-            "run_guard", "report", "preflight", "readiness", "book"}
-MAX_MODULE_LINES = 420
-MAX_LEARNER_LINES = 3400  # issue 12: "about 2,000"; 2,214 when it closed, 2,289 with issue 13's checks; issue 16 adds evaluation (259), corpus CodeParrot's later filters and MinHash (100); issue 14 moves the memory calculator (78) out of demos for the preflight and adds the 🤗 datasets source (hub_datasets 77, corpus 8) and the reading of Megatron-LM's own checkpoints (megatron_lm 367, with its restricted torch_dist metadata reader)
+#: The role folders of helpers/ and what each may import besides itself (``helpers/__init__.py`` maps them).
+ROLES = {"support": set(), "learn": {"support"}, "runner": {"learn", "support"}, "demos": {"learn", "runner", "support"}}
 
 
 def modules() -> dict[str, Path]:
@@ -63,24 +59,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def code_lines(path: Path) -> int:
-    """Lines holding code: not blank, not a comment, not a docstring (as shared/tools/house_metrics.py)."""
-    src = path.read_text(encoding="utf-8")
-    skip = set()
-    for node in ast.walk(ast.parse(src)):
-        body = getattr(node, "body", None)
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
-                and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            skip.update(range(body[0].lineno, body[0].end_lineno + 1))
-    lines = set()
-    ignored = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type not in ignored:
-            lines |= {ln for ln in range(tok.start[0], tok.end[0] + 1) if ln not in skip}
-    return len(lines)
-
-
 def test_find_cycle_sees_a_cycle_through_function_level_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
@@ -88,28 +66,33 @@ def test_find_cycle_sees_a_cycle_through_function_level_imports():
 
 def test_helpers_has_no_import_cycle():
     graph = import_graph()
-    assert {"pretrain_gpt", "core_loop", "checkpointing", "distributed", "model", "demos.roofline"} <= set(graph)
-    assert "dataloader" in graph["demos.dataset_indices"], "the graph must see 'from helpers.x import y' lines"
+    assert {"learn.pretrain_gpt", "demos.core_loop", "learn.checkpointing", "runner.series", "demos.roofline"} <= set(graph)
+    assert "learn.dataloader" in graph["demos.dataset_indices"], "the graph must see 'from helpers.x import y' lines"
     assert find_cycle(graph) is None, f"import cycle in helpers/: {' -> '.join(find_cycle(graph))}"
 
 
-def test_the_learners_path_never_imports_a_demonstration():
+def test_every_module_lives_in_a_role_folder_with_a_map():
+    mods = modules()
+    loose = sorted(m for m in mods if m and m.split(".")[0] not in ROLES)
+    assert not loose, f"modules outside the role folders {sorted(ROLES)}: {loose}"
+    for role in ROLES:
+        doc = ast.get_docstring(ast.parse(mods[role].read_text())) or ""
+        missing = sorted(m.split(".")[1] for m in mods if m.startswith(role + ".") and m.split(".")[1] not in doc)
+        assert not missing, f"helpers/{role}/__init__.py's map does not name {missing}"
+
+
+def imports_across_roles(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """``{module: [modules of a role it may not import]}`` for the modules that break :data:`ROLES`."""
+    wrong = {m: sorted(d for d in deps if d.split(".")[0] in ROLES and d.split(".")[0] != m.split(".")[0]
+                       and d.split(".")[0] not in ROLES[m.split(".")[0]])
+             for m, deps in graph.items() if m.split(".")[0] in ROLES}
+    return {m: d for m, d in wrong.items() if d}
+
+
+def test_each_role_imports_only_the_roles_below_it():
     graph = import_graph()
-    offenders = {m: sorted(d for d in deps if d.startswith("demos")) for m, deps in graph.items()
-                 if not m.startswith("demos")}
-    assert not any(offenders.values()), {m: d for m, d in offenders.items() if d}
-
-
-def test_every_module_reads_in_one_sitting_and_the_learners_path_is_small():
-    sizes = {name: code_lines(path) for name, path in modules().items()}
-    too_long = {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not too_long, f"modules over {MAX_MODULE_LINES} code lines: {too_long}"
-    learner = {m: n for m, n in sizes.items() if m and not m.startswith("demos") and m not in PLUMBING}
-    assert {"corpus", "tokenizer", "preprocess", "dataloader", "model", "pretrain_gpt", "core_loop", "conversion"} <= set(learner)
-    assert sum(learner.values()) <= MAX_LEARNER_LINES, f"learner's path: {sum(learner.values())} code lines {learner}"
-
-
-def test_code_lines_skip_docstrings_comments_and_blanks(tmp_path):
-    path = tmp_path / "m.py"
-    path.write_text('"""Doc\nstring."""\n\n# comment\ndef f():\n    """doc"""\n    return (1,\n            2)\n')
-    assert code_lines(path) == 3
+    assert not imports_across_roles(graph)
+    assert graph[""] == {"support", "support.quiet"}, "helpers/__init__ imports only the warning filters"
+    assert imports_across_roles({"learn.model": {"runner.launch", "support.results"}, "runner.launch": {"learn.model"},
+                                 "support.results": {"learn.model"}}) == {"learn.model": ["runner.launch"],
+                                                                          "support.results": ["learn.model"]}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import launch, run_guard
+from helpers.runner import launch
+from helpers.support import run_guard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +28,7 @@ def test_port_in_use_is_a_clear_error():
         port = s.getsockname()[1]
         assert not launch.port_is_free(port)
         with pytest.raises(launch.LaunchError, match=f"master_port={port} is already in use"):
-            launch.torchrun(["helpers.environment", "allreduce"], nproc_per_node=2, master_port=port, timeout_s=30)
+            launch.torchrun(["helpers.support.environment", "allreduce"], nproc_per_node=2, master_port=port, timeout_s=30)
 
 
 def test_torchrun_command_shape():
@@ -41,7 +42,7 @@ def test_torchrun_command_shape():
 
 def test_two_rank_allreduce_over_gloo():
     lines = []
-    result = launch.torchrun(["helpers.environment", "allreduce"], nproc_per_node=2, timeout_s=120, on_line=lines.append)
+    result = launch.torchrun(["helpers.support.environment", "allreduce"], nproc_per_node=2, timeout_s=120, on_line=lines.append)
     sums = sorted(l for l in result.lines if "all_reduce(sum)" in l)
     assert sums == [
         "rank 0/2 backend gloo: all_reduce(sum) = 3 (expected 3)",
@@ -93,7 +94,7 @@ def test_timeout_kills_the_job(tmp_path):
 
 # --------------------------------------------------------------------------- issue 13: orphans, locks, causes
 WORKER = """import os, sys, time
-from helpers import run_guard
+from helpers.support import run_guard
 run_guard.watch_launcher(interval_s=0.2, grace_s=5)
 open(sys.argv[1], "w").write(f"{os.getpid()} {os.getppid()}")
 while True:
@@ -180,7 +181,7 @@ def test_a_save_leaves_no_process_behind_when_its_process_is_killed(tmp_path):
     """Issue 24: megatron-core's first dist_checkpointing.save spawns a multiprocessing Manager (and its
     resource tracker) that outlived a SIGKILLed notebook kernel; with the in-process queue a save
     starts no process at all."""
-    code = ("import os, sys, time, tempfile\nfrom helpers import distributed, model\n"
+    code = ("import os, sys, time, tempfile\nfrom helpers.learn import distributed, model\n"
             "from megatron.core import dist_checkpointing\n"
             "distributed.initialize_distributed(1, 1, seed=1)\n"
             "gpt = model.build_model(model.ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16,"
@@ -202,7 +203,7 @@ def test_a_save_leaves_no_process_behind_when_its_process_is_killed(tmp_path):
 
 def test_one_job_per_run_folder_and_the_message_names_it(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom helpers import run_guard\n"
+        [sys.executable, "-c", "import sys, time\nfrom helpers.support import run_guard\n"
          "with run_guard.run_folder_lock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(120)\n",
          str(tmp_path)], env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     try:

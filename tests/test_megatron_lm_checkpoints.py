@@ -1,4 +1,4 @@
-"""Checkpoints written the way Megatron-LM writes them, converted exactly (helpers.megatron_lm).
+"""Checkpoints written the way Megatron-LM writes them, converted exactly (helpers.learn.megatron_lm).
 
 Each test builds a tiny GPT (2 layers, hidden 64, 4 heads, vocabulary 300 padded to 384 or 512
 rows) with every weight random, writes it in one of Megatron-LM's layouts
@@ -27,8 +27,8 @@ import torch
 from test_conversion import VOCAB, randomized_model, tokenizer_dir, tokens, weights  # noqa: F401  (a fixture)
 from transformers import AutoModelForCausalLM
 
-from helpers import conversion, megatron_lm
-from helpers import model as model_lib
+from helpers.learn import conversion, megatron_lm
+from helpers.learn import model as model_lib
 from helpers.demos import conversion_proofs as proofs
 from helpers.demos import generation
 from helpers.demos.megatron_lm_layout import WE, mlm_args, old_model_dict, write_legacy

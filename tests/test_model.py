@@ -1,4 +1,4 @@
-"""helpers.model: GPT-2 architecture on megatron-core's GPTModel, padding, sizes, FLOPs, GELU."""
+"""helpers.learn.model: GPT-2 architecture on megatron-core's GPTModel, padding, sizes, FLOPs, GELU."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import model
+from helpers.learn import model
 from helpers.demos import generation
 
 
 @pytest.fixture(scope="module")
 def dist1():
-    from helpers import distributed
+    from helpers.learn import distributed
 
     info = distributed.initialize_distributed(1, 1, seed=1234)
     yield info

@@ -13,7 +13,7 @@ from helpers.demos import evaluation_curve
 
 matplotlib.use("Agg")
 
-#: Three log records as helpers.metrics.from_megatron_lm writes them: log_interval 2, then a slower and a faster interval.
+#: Three log records as helpers.runner.metrics.from_megatron_lm writes them: log_interval 2, then a slower and a faster interval.
 RECORDS = [{"kind": "train", "iteration": 2, "s_per_iter": 0.5}, {"kind": "train", "iteration": 4, "s_per_iter": 1.0},
            {"kind": "train", "iteration": 6, "s_per_iter": 0.25}]
 

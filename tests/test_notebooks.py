@@ -9,7 +9,8 @@ import re
 import nbformat
 import pytest
 
-from helpers import encoders, preprocess, series
+from helpers.learn import encoders, preprocess
+from helpers.runner import series
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -84,7 +85,8 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     03's summary line crashed on the missing part (TypeError on None)."""
     from types import SimpleNamespace
 
-    from helpers import corpus, dataloader, results
+    from helpers.learn import corpus, dataloader
+    from helpers.support import results
 
     nb_dir = NOTEBOOKS[0].parent
     shown = []

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from helpers import results
+from helpers.support import results
 from helpers.demos import launch_plans, layout_runs, memory, pipeline_schedule, rank_groups, shards
-from helpers.model import Layout, ModelConfig, check_layout, count_parameters
+from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters
 
 pytestmark = pytest.mark.trains
 
@@ -49,7 +49,7 @@ def test_check_layout_refuses_tp_not_dividing_the_mlp_width_or_world_size_mismat
 
 @pytest.mark.parametrize("layout", [Layout(3, 1, 1), Layout(1, 4, 1)])
 def test_run_layout_fails_before_any_process_starts(layout, monkeypatch, tmp_path):
-    from helpers import launch
+    from helpers.runner import launch
 
     def must_not_launch(*args, **kwargs):
         raise AssertionError("a process was started for a bad layout")
@@ -217,7 +217,7 @@ def test_model_shapes_have_the_advertised_sizes():
 
 # ----------------------------------------------------------------------------- launch generation
 def test_launch_plan_node_commands_and_the_local_one():
-    from helpers import launch
+    from helpers.runner import launch
 
     plan = launch_plans.launch_plan(Layout(8, 2, 2), ["helpers.training", "--config", "run.json"], nnodes=4,
                                     master_addr="node0", master_port=29500)
@@ -241,7 +241,8 @@ def test_launch_plan_node_commands_and_the_local_one():
 def test_sbatch_script_runs_megatron_lms_loop_with_its_flags(tmp_path):
     from dataclasses import replace
 
-    from helpers import megatron_args, training_config
+    from helpers.runner import megatron_args
+    from helpers.learn import training_config
 
     cfg = replace(training_config.PROFILES["gpu"], run_dir=str(tmp_path), tensor_model_parallel_size=2,
                   pipeline_model_parallel_size=2)
@@ -253,7 +254,7 @@ def test_sbatch_script_runs_megatron_lms_loop_with_its_flags(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --partition=gpu", "--rdzv_endpoint=$HEAD_NODE:29500", "--rdzv_id=$SLURM_JOB_ID",
                  "--container-image=nvcr.io/nvidia/pytorch:26.09-py3", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
-                 "\n    -m helpers.pretrain_gpt --num-layers 12 --hidden-size 768",
+                 "\n    -m helpers.learn.pretrain_gpt --num-layers 12 --hidden-size 768",
                  "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"):
         assert line in script, line
     assert "--distributed-backend" not in script and "--use-cpu-initialization" not in script  # GPU flags only
@@ -302,7 +303,7 @@ def test_expected_tp_allreduces():
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """Data of 60 stdlib files (BPE 512) and a 2-layer model, 3 iterations of 2 micro-batches."""
-    from helpers import data_stage
+    from helpers.runner import data_stage
 
     run = tmp_path_factory.mktemp("par")
     data = data_stage.build_data(run, max_files=60, vocab_size=512, split="90,10,0", progress=False)
@@ -324,7 +325,7 @@ def test_tp2_trains_like_tp1_from_megatrons_own_cpu_initialisation(base):
     assert row["within_atol"], row
     assert tp2.command == tp2.generated_command and "--nproc_per_node=2" in tp2.command
     assert tp2.command[3:7] == ["--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1"]
-    from helpers import checkpointing
+    from helpers.learn import checkpointing
 
     saved = checkpointing.read_model_config(base.run_path.parent / "checkpoints_tp2")
     assert saved["tensor_model_parallel_size"] == 2 and saved["iteration"] == 3

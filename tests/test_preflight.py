@@ -1,4 +1,4 @@
-"""helpers.preflight: the epochs, tokens, memory and time a run will cost, and the refusal of a
+"""helpers.runner.preflight: the epochs, tokens, memory and time a run will cost, and the refusal of a
 run that repeats its data too often (notebook 03, launch.train and the series runner)."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import launch, memory, model, preflight, preprocess, series, training_config
+from helpers.runner import launch, preflight, series
+from helpers.learn import memory, model, preprocess, training_config
 
 
 @pytest.fixture(scope="module")
 def run_with_data(tmp_path_factory):
     """A run folder whose data/ notebook 01's stage made: 60 stdlib files, BPE of 512."""
-    from helpers import data_stage
+    from helpers.runner import data_stage
 
     run = tmp_path_factory.mktemp("preflight-run")
     data_stage.build_data(run, max_files=60, vocab_size=512, split="90,8,2", progress=False)

@@ -1,6 +1,8 @@
-"""helpers.preprocess: .bin/.idx round trip, dtype, workers, bad input, build_data idempotence."""
+"""helpers.learn.preprocess: .bin/.idx round trip, dtype, workers, bad input, build_data idempotence."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import json
 import os
@@ -8,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from helpers import corpus, data_stage, encoders, preprocess, tokenizer
+from helpers.learn import corpus, encoders, preprocess, tokenizer
+from helpers.runner import data_stage
 from helpers.demos import preprocessing as preprocessing_demo
 
 
@@ -97,8 +100,8 @@ def test_auto_engine_and_bad_engine(small, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"engine='rust'"):
         data_stage.build_data(tmp_path / "run", engine="rust")
     assert list(tmp_path.iterdir()) == []
-    real_find_spec = encoders.importlib.util.find_spec
-    monkeypatch.setattr(encoders.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gigatoken" else real_find_spec(name, *a))
     assert encoders.resolve_engine("auto") == "tokenizers"
     with pytest.raises(ModuleNotFoundError, match=r"pip install -r requirements.txt \(or pass engine='tokenizers'\)"):
@@ -199,7 +202,7 @@ def test_build_corpus_dataset_uses_the_run_tokenizer(tmp_path):
 
 def test_data_paths_reads_back_what_build_data_made_and_names_the_command_when_missing(tmp_path):
     run = tmp_path / "run"
-    with pytest.raises(FileNotFoundError, match=r"python -m helpers.series run --only 01"):
+    with pytest.raises(FileNotFoundError, match=r"python -m helpers.runner.series run --only 01"):
         preprocess.data_paths(run)
     made = data_stage.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
     read = preprocess.data_paths(run)

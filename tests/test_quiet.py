@@ -1,4 +1,4 @@
-"""helpers.quiet: it hides exactly the known routine messages, each of which megatron-core or
+"""helpers.support.quiet: it hides exactly the known routine messages, each of which megatron-core or
 torch really prints here (so an entry megatron-core no longer needs fails its test), and
 nothing else."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import quiet
+from helpers.support import quiet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent("""
     import megatron.core
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from helpers import distributed, model, quiet
+    from helpers.learn import distributed, model
+    from helpers.support import quiet
     import logging
     from megatron.core.utils import log_single_rank
     log_single_rank(logging.getLogger("probe"), logging.INFO, "before torch.distributed")  # rank unknown

@@ -1,4 +1,4 @@
-"""helpers.readiness (make check): each check on real values, the verdict line, and the time it takes."""
+"""helpers.runner.readiness (make check): each check on real values, the verdict line, and the time it takes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import readiness
+from helpers.runner import readiness
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_the_speed_measurement_and_the_estimate():
 
 def test_make_check_runs_in_under_30_seconds_and_ends_with_the_verdict():
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "helpers.readiness"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "helpers.runner.readiness"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert time.perf_counter() - start < 30
     last = out.stdout.strip().splitlines()[-1]
     assert last == "ready" or last.startswith("not ready: ")

@@ -9,7 +9,8 @@ import re
 import pytest
 from test_series import _notebook
 
-from helpers import environment, report, results, series
+from helpers.support import environment, results
+from helpers.runner import report, series
 
 STEMS = ["00_container_setup", "01_data_preprocessing", "02_data_loader", "03_training", "04_fused_kernels",
          "05_parallelism", "06_conversion"]
@@ -20,7 +21,7 @@ def _env_row(component: str, status: str, version: str, uses: str) -> dict[str, 
     return {"component": component, "status": status, "version / details": version, "the series uses": uses}
 
 
-#: Trimmed from a real `python -m helpers.series run --profile smoke` (2 CPU cores, 2026-12-01).
+#: Trimmed from a real `python -m helpers.runner.series run --profile smoke` (2 CPU cores, 2026-12-01).
 START = {"started": "2026-12-01T12:50:02", "profile": "smoke", "overrides": {}, "notebooks": STEMS,
          "commit": "ee806a240b486f8a4d8e50ae62a9567b5d7c33e5", "changed_files": 13, "cpu_model": "AMD EPYC",
          "logical_cpus": 2, "usable_cpus": 2, "memory_gib": 23.5, "load_average_start": [4.05, 3.14, 2.54],
@@ -143,7 +144,7 @@ def test_the_runner_writes_the_report_card_at_the_end_of_run(tmp_path, monkeypat
     for stem in ("00_first", "01_second"):
         _notebook(tmp_path / "notebooks" / f"{stem}.ipynb", 'run_dir: str = "../runs/latest"  # run folder\n'
                   'profile: str = "cpu"  # profile\nsteps: int = 3  # steps\n',
-                  f"from helpers import results\nresults.record(run_dir, '{stem}', 'steps', steps)")
+                  f"from helpers.support import results\nresults.record(run_dir, '{stem}', 'steps', steps)")
     monkeypatch.setattr(series, "NOTEBOOK_DIR", tmp_path / "notebooks")
     monkeypatch.setattr(series, "RUNS_DIR", tmp_path / "runs")
     run_dir = tmp_path / "runs" / "r1"

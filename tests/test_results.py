@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import results
+from helpers.support import results
 
 
 def test_record_accumulates_per_notebook_and_converts_scalars(tmp_path):
@@ -57,7 +57,8 @@ def test_atomic_writes_are_readable_by_others(tmp_path):
     latest_checkpointed_iteration.txt were unreadable to anyone but their writer."""
     import stat
 
-    from helpers import corpus, data_stage, preprocess
+    from helpers.learn import corpus, preprocess
+    from helpers.runner import data_stage
 
     old = os.umask(0o022)
     try:

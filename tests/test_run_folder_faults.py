@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import dataloader, preprocess, tokenizer, training_config
+from helpers.learn import dataloader, preprocess, tokenizer, training_config
 from test_training import TINY_MODEL, data, tiny_config  # noqa: F401  (data is a fixture)
 
 pytestmark = pytest.mark.trains
@@ -86,7 +86,7 @@ def test_a_save_the_disk_cuts_short_leaves_no_checkpoint_folder(tmp_path, monkey
 
     from megatron.core import dist_checkpointing
 
-    from helpers import checkpointing, distributed, model
+    from helpers.learn import checkpointing, distributed, model
 
     def full_disk(state, folder, *args, **kwargs):
         (Path(folder) / "__0_0.distcp").write_bytes(b"\0" * 100)
@@ -105,7 +105,8 @@ def test_a_save_the_disk_cuts_short_leaves_no_checkpoint_folder(tmp_path, monkey
 def test_a_read_only_run_folder_is_refused_by_name_before_anything_starts(data, tmp_path):
     out = _in_small_disk(tmp_path, f"""
         import contextlib, io, os
-        from helpers import data_stage, launch, run_guard, series
+        from helpers.runner import data_stage, launch, series
+        from helpers.support import run_guard
         from test_training import tiny_config
         from types import SimpleNamespace
         out = {{}}
@@ -142,7 +143,8 @@ def test_training_on_a_disk_too_small_for_its_checkpoints_is_refused_before_it_s
     out = _in_small_disk(tmp_path, f"""
         import os
         from types import SimpleNamespace
-        from helpers import launch, run_guard
+        from helpers.runner import launch
+        from helpers.support import run_guard
         from test_training import tiny_config
         data = SimpleNamespace(data_prefix={str(data.data_prefix)!r}, tokenizer_dir={str(data.tokenizer_dir)!r})
         try:
@@ -163,7 +165,8 @@ def test_a_disk_that_fills_during_training_ends_with_the_folder_the_space_and_th
     out = _in_small_disk(tmp_path, f"""
         import os
         from types import SimpleNamespace
-        from helpers import launch, preflight, run_guard
+        from helpers.runner import launch, preflight
+        from helpers.support import run_guard
         from test_training import tiny_config
         preflight.check_disk = lambda plan, folder: None  # the preflight saw enough space
         data = SimpleNamespace(data_prefix={str(data.data_prefix)!r}, tokenizer_dir={str(data.tokenizer_dir)!r})
@@ -190,7 +193,8 @@ def test_a_disk_that_fills_during_training_ends_with_the_folder_the_space_and_th
 def test_the_data_stage_checks_the_space_first_and_a_full_disk_leaves_no_half_written_file(tmp_path):
     out = _in_small_disk(tmp_path, """
         import os
-        from helpers import data_stage, run_guard
+        from helpers.runner import data_stage
+        from helpers.support import run_guard
         out = {}
         try:
             data_stage.build_data(DISK + "/a", max_files=300, progress=False)
@@ -219,14 +223,15 @@ def test_a_notebook_the_runner_cannot_save_leaves_the_last_good_one_and_names_th
         import nbformat
         from nbformat.v4 import new_code_cell, new_notebook
         from pathlib import Path
-        from helpers import results, run_guard, series
+        from helpers.support import results, run_guard
+        from helpers.runner import series
         nbdir = Path(DISK).parent / "notebooks"
         nbdir.mkdir(exist_ok=True)
         nb = new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         params = new_code_cell('run_dir: str = "x"  # run folder\\nprofile: str = "cpu"  # profile\\nfill: bool = False  # fill the disk')
         params.metadata["tags"] = ["parameters"]
-        nb.cells = [params, new_code_cell("from helpers import results\\nresults.record(run_dir, '00_fill', 'ok', 1)"),
+        nb.cells = [params, new_code_cell("from helpers.support import results\\nresults.record(run_dir, '00_fill', 'ok', 1)"),
                     new_code_cell("if fill:\\n    with open(run_dir + '/filler', 'wb') as f:\\n        try:\\n"
                                   "            f.write(b'x' * 10_000_000)\\n        except OSError:\\n            pass\\n"
                                   "print('x' * 200_000)")]

@@ -7,7 +7,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from helpers import results, series
+from helpers.support import results
+from helpers.runner import series
 
 
 def _notebook(path: Path, params: str, body: str) -> Path:
@@ -26,10 +27,10 @@ def tiny_series(tmp_path, monkeypatch):
     nbdir.mkdir()
     _notebook(nbdir / "00_first.ipynb",
               'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nsteps: int = 3  # steps\n',
-              "from helpers import results\nresults.record(run_dir, '00_first', 'steps_squared', steps * steps)")
+              "from helpers.support import results\nresults.record(run_dir, '00_first', 'steps_squared', steps * steps)")
     _notebook(nbdir / "01_second.ipynb",
               'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nsteps: int = 5  # steps\nrate: float = 0.5  # a rate\n',
-              "from helpers import results\nresults.record(run_dir, '01_second', 'product', steps * rate)\n"
+              "from helpers.support import results\nresults.record(run_dir, '01_second', 'product', steps * rate)\n"
               "results.record(run_dir, '01_second', 'profile', profile)")
     monkeypatch.setattr(series, "NOTEBOOK_DIR", nbdir)
     monkeypatch.setattr(series, "RUNS_DIR", tmp_path / "runs")
@@ -121,7 +122,7 @@ def test_require_without_build_names_the_exact_command(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         series.require("06_conversion", tmp_path, "smoke", build=False)
     text = str(err.value)
-    assert f"python -m helpers.series run --profile smoke --run-dir {tmp_path.resolve()} --only 01 03" in text
+    assert f"python -m helpers.runner.series run --profile smoke --run-dir {tmp_path.resolve()} --only 01 03" in text
     assert "data/data_manifest.json" in text
     assert not any(tmp_path.iterdir()), "require(build=False) made files"
 
@@ -171,7 +172,7 @@ def test_a_failing_notebook_ends_with_its_name_the_cause_and_the_executed_notebo
     kernel prints "running over TCP without encryption" (the kernels talk over IPC)."""
     _notebook(tiny_series / "02_fails.ipynb",
               'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\n',
-              "from helpers.launch import LaunchError\n"
+              "from helpers.runner.launch import LaunchError\n"
               "raise LaunchError('torchrun job failed: rank 1 exited with an error (exit code 1): EOFError', "
               "'a line of the log tail', failed_rank=1, failure='rank:       rank 1 (the first to fail)\\n"
               "the log of every rank: /x/training.log')")
@@ -196,7 +197,7 @@ def test_a_failed_rerun_keeps_the_last_good_notebook_results_and_figures(tiny_se
     _notebook(tiny_series / "02_rerun.ipynb",
               'run_dir: str = "../runs/latest"  # run folder\nprofile: str = "cpu"  # profile\nfail: bool = False  # fail\n'
               'tag: str = "good"  # the run\n',
-              "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nfrom helpers import results\n"
+              "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\nfrom helpers.support import results\n"
               "results.record(run_dir, '02_rerun', 'tag', tag)\n"
               "if tag == 'good':\n    results.record(run_dir, '02_rerun', 'only_in_the_first', 1)\n"
               "fig, ax = plt.subplots()\nax.set_title(tag)\nresults.save_figure(fig, run_dir, 'rerun_plot')\n"
@@ -247,7 +248,7 @@ def test_a_read_only_run_folder_is_refused_before_anything_starts(tiny_series, t
 def test_a_second_runner_on_a_folder_is_refused_and_a_rerun_keeps_the_folders_profile(tiny_series, capfd):
     """Breaker (issue 24): two runners on one folder shared the attempt folder; a fix command without
     --profile ran the default profile over a smoke run's data."""
-    from helpers import run_guard
+    from helpers.support import run_guard
 
     run_dir = tiny_series.parent / "runs" / "lock"
     series.run("tiny", run_dir=run_dir, only=["01"])

@@ -11,7 +11,8 @@ import re
 import nbformat
 import pytest
 
-from helpers import book, results, series
+from helpers.runner import book, series
+from helpers.support import results
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]

@@ -1,4 +1,4 @@
-"""helpers.tokenizer (train_tokenizer, load_tokenizer): training, files, round trip, bad input."""
+"""helpers.learn.tokenizer (train_tokenizer, load_tokenizer): training, files, round trip, bad input."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import corpus, tokenizer
+from helpers.learn import corpus, tokenizer
 
 TRICKY = [
     "def f(x):\n\treturn x  # tab, two spaces\r\n",

@@ -1,6 +1,6 @@
-"""Training with Megatron-LM's own loop (helpers.pretrain_gpt, launched by helpers.launch.train):
+"""Training with Megatron-LM's own loop (helpers.learn.pretrain_gpt, launched by helpers.runner.launch.train):
 the generated flags are Megatron-LM's, a real run's loss falls and everything is recorded,
-notebook 03's megatron-core loop (helpers.core_loop) gives the same weights bit for bit,
+notebook 03's megatron-core loop (helpers.demos.core_loop) gives the same weights bit for bit,
 kill-and-resume (SIGTERM and SIGKILL) reproduces an uninterrupted run bit for bit, the
 checkpoint converts to transformers exactly, and Megatron-LM's checks (NaN, a resume with
 another schedule) stop a run with their message."""
@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import checkpointing, launch, megatron_args, metrics, run_guard, training_config
+from helpers.learn import checkpointing, training_config
+from helpers.runner import launch, megatron_args, metrics
+from helpers.support import run_guard
 
 pytestmark = pytest.mark.trains
 
@@ -31,8 +33,8 @@ TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_lengt
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.data_stage.build_data."""
-    from helpers import data_stage
+    """A small corpus (120 stdlib files, BPE of 1024) made by helpers.runner.data_stage.build_data."""
+    from helpers.runner import data_stage
 
     run = tmp_path_factory.mktemp("train-data")
     return data_stage.build_data(run, max_files=120, vocab_size=1024, progress=False)
@@ -56,7 +58,7 @@ def test_num_microbatches_relates_global_micro_and_data_parallel():
 
 
 def test_micro_batch_indices_follow_megatrons_sampler():
-    from helpers import dataloader
+    from helpers.learn import dataloader
 
     # global batch 8 = micro 2 x DP 2 x 2 accumulation steps, resuming at sample 16
     assert dataloader.micro_batch_indices(16, 2, 1, 2, 2) == [[18, 19], [22, 23]]
@@ -64,7 +66,7 @@ def test_micro_batch_indices_follow_megatrons_sampler():
 
 
 def test_lr_schedule_is_linear_warmup_then_cosine_to_min():
-    from helpers import optimizer
+    from helpers.learn import optimizer
 
     cfg = training_config.TrainingConfig(train_iters=100, lr_warmup_iters=10, lr=1e-3, min_lr=1e-4)
     lrs = optimizer.lr_schedule(cfg)
@@ -172,7 +174,7 @@ def test_run_json_of_an_earlier_version_reads_without_its_retired_fields(tmp_pat
 
 
 def test_port_in_use_is_a_clear_error(data, tmp_path):
-    from helpers.launch import LaunchError
+    from helpers.runner.launch import LaunchError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,7 +235,8 @@ def test_the_preflights_checkpoint_estimate_matches_the_saves_megatron_lm_made(u
     """Issue 24 item 1: the disk check counts the saves Megatron-LM makes and sizes them from above,
     close enough not to refuse a run that fits (at most 15 % above for this smallest model, where
     the fixed overhead weighs most)."""
-    from helpers import memory, preflight
+    from helpers.learn import memory
+    from helpers.runner import preflight
 
     cfg, _ = uninterrupted
     saves = sorted(cfg.checkpoint_path.glob("iter_*"))
@@ -247,9 +250,10 @@ def test_the_preflights_checkpoint_estimate_matches_the_saves_megatron_lm_made(u
 
 
 def test_the_core_loop_of_notebook_03_trains_the_same_weights_bit_for_bit(uninterrupted):
-    """helpers.core_loop (notebook 03 section 5 as functions) against Megatron-LM's loop, same config:
+    """helpers.demos.core_loop (notebook 03 section 5 as functions) against Megatron-LM's loop, same config:
     the iteration-4 weights are bit-identical, and every loss agrees to one float32 rounding."""
-    from helpers import core_loop, distributed
+    from helpers.demos import core_loop
+    from helpers.learn import distributed
 
     cfg, _ = uninterrupted
     threads = torch.get_num_threads()
@@ -347,11 +351,11 @@ def test_kill_and_resume_is_bit_identical(uninterrupted, data, tmp_path):
 
 
 def test_the_checkpoint_converts_to_transformers_exactly(uninterrupted, tmp_path):
-    """Megatron-LM's torch_dist checkpoint, read from its args, through helpers.conversion: the
+    """Megatron-LM's torch_dist checkpoint, read from its args, through helpers.learn.conversion: the
     same logits (1e-5), the same greedy tokens and the same validation loss as megatron-core."""
     from transformers import AutoModelForCausalLM
 
-    from helpers import conversion
+    from helpers.learn import conversion
     from helpers.demos import conversion_proofs as proofs
     from helpers.demos import generation
 
@@ -373,7 +377,7 @@ def test_megatron_lms_checks_stop_a_bad_run_with_their_message(uninterrupted, da
     """A loss that is NaN from the first step (an absurd initialisation) stops at Megatron-LM's
     NaN check; a resume whose learning-rate schedule differs is refused by Megatron-LM unless
     --override-opt_param-scheduler says to follow the new one."""
-    from helpers.launch import LaunchError
+    from helpers.runner.launch import LaunchError
 
     bad = tiny_config(data, tmp_path / "nan", model={**TINY_MODEL, "init_method_std": 1e30}, train_iters=2, lr_warmup_iters=1,
                       save_interval=2, eval_interval=2)

@@ -1,4 +1,4 @@
-"""helpers.training_config: what TrainingConfig.check() refuses, without training."""
+"""helpers.learn.training_config: what TrainingConfig.check() refuses, without training."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from helpers import dataloader, training_config
+from helpers.learn import dataloader, training_config
 
 CFG = training_config.TrainingConfig()
 

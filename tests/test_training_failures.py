@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import checkpointing, launch, run_guard
+from helpers.learn import checkpointing
+from helpers.runner import launch
+from helpers.support import run_guard
 from test_training import data, tiny_config  # noqa: F401  (data is a fixture)
 
 pytestmark = pytest.mark.trains
@@ -97,7 +99,7 @@ def test_a_trainer_whose_kernel_dies_saves_its_checkpoint(data, tmp_path):
 
     cfg = tiny_config(data, tmp_path, train_iters=100_000, eval_interval=100_000, save_interval=0, log_interval=1)
     script = tmp_path / "kernel.py"
-    script.write_text("import sys\nfrom helpers import launch, training_config\n"
+    script.write_text("import sys\nfrom helpers.learn import training_config\nfrom helpers.runner import launch\n"
                       "cfg = training_config.TrainingConfig.from_json(sys.argv[1])\n"
                       "launch.train(cfg, progress=False, timeout_s=300, env={'OMP_NUM_THREADS': '1'}, max_epochs=0)\n")
     config = cfg.to_json(tmp_path / "given.json")

@@ -1,7 +1,16 @@
 """Notebook-specific demonstrations: measurements, simulations, drawings and proofs.
 
-The learner's path through the series (corpus -> tokenizer -> ``.bin/.idx`` -> ``GPTDataset``
--> ``GPTModel`` -> training -> checkpoint -> conversion) lives in ``helpers/`` itself; these
-modules are what one notebook uses to *show* something about it, and nothing on that path
-imports them. Each module names the notebook and section it serves.
+The learner's package (``helpers.learn``) is what the notebooks teach; these modules are what one
+notebook section uses to *show* something about it, and nothing in the learner's package imports
+them. Each module's docstring names the notebook and section it serves:
+
+* 01-02: ``preprocessing`` (the steps of the data stage timed), ``dataset_indices`` (megatron-core's
+  document, sample and shuffle indices drawn).
+* 03-04: ``core_loop`` (notebook 03's loop, call by call, for 04's timers, the tests and
+  ``bench.training``), ``generation`` (greedy samples), ``timing``, ``roofline``, ``fused_ops``,
+  ``model_fusions``, ``adamw`` (04's measurements of fused kernels and fused AdamW).
+* 05: ``rank_groups``, ``launch_plans``, ``layout_runs``, ``shards``, ``memory``, ``pipeline_schedule``
+  (tensor, pipeline and data parallelism: the groups, the runs, the shards, the memory, the schedule).
+* 06-07: ``conversion_proofs``, ``conversion_way_back``, ``tensor_parallel_run``,
+  ``megatron_lm_layout`` (the conversion proven exact), ``evaluation_curve`` (07's curve).
 """

@@ -1,7 +1,7 @@
 """Notebook 04, section 7: AdamW as a for-loop, ``foreach``, fused (torch) and Apex ``FusedAdam``, measured.
 
-Each implementation of :data:`helpers.optimizer.ADAMW_IMPLEMENTATIONS` (built by
-:func:`helpers.optimizer.make_adamw`, the series' one AdamW) starts from the parameters of
+Each implementation of :data:`helpers.learn.optimizer.ADAMW_IMPLEMENTATIONS` (built by
+:func:`helpers.learn.optimizer.make_adamw`, the series' one AdamW) starts from the parameters of
 notebook 03's ``GPTModel`` (:func:`model_parameters`), gets the same gradients, is checked to
 agree with the for-loop after N steps, and has its ``optimizer.step()`` timed
 (:func:`benchmark_adamw`, :func:`plot_adamw`). Section 10's choice that follows this
@@ -19,20 +19,20 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from helpers import distributed
-from helpers import model as model_lib
+from helpers.learn import distributed
+from helpers.learn import model as model_lib
 from helpers.demos.timing import Timing, device_type, synchronize, time_calls
-from helpers.optimizer import ADAMW_IMPLEMENTATIONS, adamw_unavailable_reason, make_adamw
+from helpers.learn.optimizer import ADAMW_IMPLEMENTATIONS, adamw_unavailable_reason, make_adamw
 
 
 def model_parameters(cfg: Any, *, device: str | None = None, seed: int = 1234) -> dict[str, torch.Tensor]:
     """The initial parameters of notebook 03's megatron-core ``GPTModel`` for ``cfg``.
 
-    Builds the model (local layer spec) in :func:`helpers.distributed.single_process` and returns
+    Builds the model (local layer spec) in :func:`helpers.learn.distributed.single_process` and returns
     detached fp32 copies, tied embeddings counted once.
 
     Args:
-        cfg: a :class:`helpers.model.ModelConfig` (e.g. ``helpers.model.profile("cpu")``).
+        cfg: a :class:`helpers.learn.model.ModelConfig` (e.g. ``helpers.learn.model.profile("cpu")``).
         device: where the copies live (default: CUDA when available, else CPU).
         seed: the model-parallel seed (Megatron-LM default 1234).
 
@@ -118,7 +118,7 @@ def benchmark_adamw(params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
     Args:
         params: the tensors to optimise, e.g. :func:`model_parameters` (not modified).
         device: where to run (default: CUDA when available).
-        implementations: subset of :data:`helpers.optimizer.ADAMW_IMPLEMENTATIONS`; "for-loop" is always added
+        implementations: subset of :data:`helpers.learn.optimizer.ADAMW_IMPLEMENTATIONS`; "for-loop" is always added
             (it is the reference).
         check_steps, warmup, repeats: steps before the check; timing warm-up and repeats.
         lr, betas, eps, weight_decay: AdamW hyper-parameters.

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from helpers import checkpointing, conversion
+from helpers.learn import checkpointing, conversion
 
 #: The guide's 2022 command (transformers source tree, legacy Megatron-LM checkpoint layout).
 _GUIDE_2022_COMMAND = (
@@ -38,12 +38,12 @@ _LEGACY_CONVERTER_MODULE = "transformers.models.megatron_gpt2.convert_megatron_g
 
 # =========================================================================== section 2: the guide's 2022 converter
 def randomized_model(cfg, seed: int = 0):
-    """A local-spec megatron-core ``GPTModel`` of ``cfg`` (a :class:`helpers.model.ModelConfig`) in eval
+    """A local-spec megatron-core ``GPTModel`` of ``cfg`` (a :class:`helpers.learn.model.ModelConfig`) in eval
     mode with every parameter random: weights and biases ``N(0, 0.2^2)``, LayerNorm weights ``1 + N(0, 0.1^2)``.
     megatron-core initialises biases to 0 and LayerNorms to 1, which would hide a wrong bias or GELU in a
     conversion. Sets up one-process model parallelism if it is not set up yet."""
-    from helpers import model as model_lib
-    from helpers.distributed import initialize_distributed
+    from helpers.learn import model as model_lib
+    from helpers.learn.distributed import initialize_distributed
 
     initialize_distributed(1, 1)
     gpt = model_lib.build_model(cfg, layer_spec="local").eval()
@@ -64,13 +64,13 @@ def legacy_converter_report(checkpoint: str | os.PathLike) -> dict[str, Any]:
         names), "checkpoint_keys" (first model keys), "legacy_keys_present" (any ``language_model`` key)}``.
 
     Raises:
-        FileNotFoundError, helpers.conversion.ConversionError: see ``conversion.find_checkpoint``.
+        FileNotFoundError, helpers.learn.conversion.ConversionError: see ``conversion.find_checkpoint``.
     """
     import importlib.util
 
     from megatron.core import dist_checkpointing
 
-    from helpers.distributed import single_process
+    from helpers.learn.distributed import single_process
 
     folder, _, fmt = conversion.find_checkpoint(checkpoint)
     try:
@@ -241,11 +241,11 @@ def logit_scatter_figure(reference: torch.Tensor, converted: torch.Tensor, max_p
 
 
 def _run_config(run_dir: str | os.PathLike, config_name: str):
-    from helpers.training_config import TrainingConfig
+    from helpers.learn.training_config import TrainingConfig
 
     path = Path(run_dir).expanduser().resolve() / config_name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: it is written by helpers.launch.train (notebook 03)")
+        raise FileNotFoundError(f"{path} not found: it is written by helpers.runner.launch.train (notebook 03)")
     return TrainingConfig.from_json(path)
 
 
@@ -258,7 +258,7 @@ def validation_tokens(run_dir: str | os.PathLike, num_samples: int = 2, *, confi
     Raises:
         FileNotFoundError: no ``run.json`` (train first: notebook 03).
     """
-    from helpers import dataloader
+    from helpers.learn import dataloader
 
     _, valid_ds, _ = dataloader.build_run_datasets(_run_config(run_dir, config_name))
     return torch.stack([torch.as_tensor(valid_ds[i % len(valid_ds)]["tokens"]).long() for i in range(num_samples)])
@@ -342,7 +342,7 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
     """Validation loss of the transformers model on exactly the batches training evaluated.
 
     Rebuilds the validation ``GPTDataset`` from the run's ``run.json``
-    (``helpers.dataloader.build_run_datasets``: same split, seed, sequence length and index
+    (``helpers.learn.dataloader.build_run_datasets``: same split, seed, sequence length and index
     cache) and evaluates the ``eval_iters x global_batch_size`` samples Megatron-LM's loop read
     for its evaluation at ``iteration`` (the ``k``-th evaluation, ``k = iteration // eval_interval``,
     reads the ``k``-th block of that many samples), in micro-batches of ``micro_batch_size``, as
@@ -361,11 +361,11 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
             validation loss is returned); default the last evaluation during training.
 
     Raises:
-        FileNotFoundError: no ``run.json`` in ``run_dir`` (train with helpers.launch.train first).
+        FileNotFoundError: no ``run.json`` in ``run_dir`` (train with helpers.runner.launch.train first).
         ValueError: the run's split has no validation part.
     """
-    from helpers import dataloader
-    from helpers.metrics import read_metrics
+    from helpers.learn import dataloader
+    from helpers.runner.metrics import read_metrics
 
     cfg = _run_config(run_dir, config_name)
     _, valid_ds, _ = dataloader.build_run_datasets(cfg)

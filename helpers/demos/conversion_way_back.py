@@ -1,8 +1,8 @@
 """Notebook 06 sections 12-13: the way back, transformers GPT-2 -> megatron-core checkpoint, and training on.
 
 :func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` folder as a torch_dist checkpoint
-of the model (``helpers.conversion.hf_to_megatron_state_dict``, the weight map inverted, then
-``helpers.checkpointing.model_from_checkpoint`` and ``save_model``);
+of the model (``helpers.learn.conversion.hf_to_megatron_state_dict``, the weight map inverted, then
+``helpers.learn.checkpointing.model_from_checkpoint`` and ``save_model``);
 :func:`continuation_config` is the ``TrainingConfig`` whose Megatron-LM run starts from it
 (``--pretrained-checkpoint``: the weights, a fresh optimizer, iteration 0). Command line::
 
@@ -20,9 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from helpers import checkpointing, conversion
-from helpers.environment import package_version
-from helpers.model import ModelConfig
+from helpers.learn import checkpointing, conversion
+from helpers.support.environment import package_version
+from helpers.learn.model import ModelConfig
 
 #: transformers activation names back to the GELU they compute.
 _HF_GELU = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
@@ -32,10 +32,10 @@ _MATCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
 
 
 def _model_config_from_gpt2(config, *, make_vocab_size_divisible_by: int = 128, seq_length: int | None = None) -> ModelConfig:
-    """The :class:`~helpers.model.ModelConfig` of a transformers ``GPT2Config``.
+    """The :class:`~helpers.learn.model.ModelConfig` of a transformers ``GPT2Config``.
 
     Raises:
-        helpers.conversion.ConversionError: settings megatron-core's GPT-2 path does not compute
+        helpers.learn.conversion.ConversionError: settings megatron-core's GPT-2 path does not compute
             the same way (``scale_attn_by_inverse_layer_idx``, ``reorder_and_upcast_attn``,
             cross-attention, unscaled attention, a non-GELU activation).
     """
@@ -68,7 +68,7 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
     and holds the model only, with a ``model_config.json`` that says what it is (it has no
     Megatron-LM ``args``). Megatron-LM's loop starts from it with ``--pretrained-checkpoint``
     (:func:`continuation_config`): the weights, a fresh optimizer and learning-rate schedule,
-    iteration 0; ``helpers.conversion`` converts it back.
+    iteration 0; ``helpers.learn.conversion`` converts it back.
 
     Must run in a process whose main module is import-guarded (a notebook, pytest, or
     ``python -m``): megatron-core's torch_dist writer spawns a helper process.
@@ -88,7 +88,7 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
 
     Raises:
         FileExistsError: ``checkpoint_dir`` already holds a checkpoint and ``overwrite`` is False.
-        helpers.conversion.ConversionError: not a GPT-2, unknown/missing keys, or a training
+        helpers.learn.conversion.ConversionError: not a GPT-2, unknown/missing keys, or a training
             config whose model differs.
     """
     import torch
@@ -142,13 +142,13 @@ def continuation_config(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     """
     from dataclasses import replace
 
-    from helpers.training_config import TrainingConfig
+    from helpers.learn.training_config import TrainingConfig
 
     if train_iters < 1:
         raise ValueError(f"train_iters={train_iters} must be >= 1")
     cfg_path = Path(run_dir).expanduser().resolve() / config_name
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.launch.train (notebook 03)")
+        raise FileNotFoundError(f"{cfg_path} not found: it is written by helpers.runner.launch.train (notebook 03)")
     cfg = TrainingConfig.from_json(cfg_path)
     lr = cfg.min_lr if cfg.min_lr > 0 else cfg.lr * 0.1
     out = Path(out_dir).expanduser().resolve()
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iteration", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
-    from helpers import run_guard
+    from helpers.support import run_guard
 
     run_guard.checkpoint_queue_in_process()
     try:

@@ -2,7 +2,7 @@
 each sample reads, the loop the indices replace, and the figures.
 
 Serves notebook 02 sections 3-6 (document lengths, the three indices, cache reuse, the naive
-epoch loop). The dataset itself is built by :mod:`helpers.dataloader`; nothing on the
+epoch loop). The dataset itself is built by :mod:`helpers.learn.dataloader`; nothing on the
 learner's path imports this module.
 
 Sources: megatron-core ``datasets/gpt_dataset.py`` (``_get_num_tokens_per_epoch``,
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from helpers.dataloader import build_gpt_datasets
+from helpers.learn.dataloader import build_gpt_datasets
 
 def index_summary(dataset) -> dict[str, Any]:
     """Numbers behind a ``GPTDataset``'s indices.

@@ -3,7 +3,7 @@
 Section 2 draws :func:`bits_per_byte_figure` (the model next to gzip, xz and a unigram model on
 each held-out set); section 4 computes the training time of every saved checkpoint with
 :func:`training_seconds` (from ``metrics.jsonl``) and draws :func:`curve_figure`. The scores
-themselves come from ``helpers.evaluation``.
+themselves come from ``helpers.learn.evaluation``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 def training_seconds(train_records: Sequence[Mapping[str, Any]], iterations: Sequence[int]) -> list[float]:
     """Seconds of training up to each of ``iterations``, from the train records of ``metrics.jsonl``.
 
-    Each record (``helpers.metrics.from_megatron_lm``) holds ``iteration`` and ``s_per_iter``, the mean
+    Each record (``helpers.runner.metrics.from_megatron_lm``) holds ``iteration`` and ``s_per_iter``, the mean
     wall time of the iterations since the previous record (``log_interval`` of them; evaluation,
     samples and checkpoint saves are not counted). The time at iteration ``i`` is the sum of
     ``s_per_iter x iterations`` over the records up to ``i``; an ``i`` inside a logging interval

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from helpers import environment
+from helpers.support import environment
 from helpers.demos.roofline import DTYPE_BYTES, check_op_shape, traffic_model
 from helpers.demos.timing import device_type, time_calls
 

@@ -2,7 +2,7 @@
 
 Notebook 05, section 6 ("Past one machine: the multi-node launch": :func:`launch_plan`,
 :meth:`LaunchPlan.commands`, :func:`sbatch_script`; the flags come from
-:mod:`helpers.megatron_args`) and section 4
+:mod:`helpers.runner.megatron_args`) and section 4
 ("Training for real": every run of :func:`helpers.demos.layout_runs.run_layout` is the node-0
 command of a one-node :class:`LaunchPlan`); section 7 shows :func:`launch_plan` refusing a
 node count that does not match the layout.
@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
-from helpers.model import Layout
+from helpers.learn.model import Layout
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class LaunchPlan:
         layout: the parallel layout (its world size = nnodes x nproc_per_node).
         nnodes, nproc_per_node: machines and processes (GPUs) per machine.
         master_addr, master_port: the rendezvous (node 0's address and a free port on it).
-        target: the module and its arguments, e.g. ``["helpers.pretrain_gpt", "--num-layers", "12", ...]``.
+        target: the module and its arguments, e.g. ``["helpers.learn.pretrain_gpt", "--num-layers", "12", ...]``.
     """
 
     layout: Layout
@@ -43,14 +43,14 @@ class LaunchPlan:
 
     def node_command(self, node_rank: int, torchrun: Sequence[str] = ("torchrun",)) -> list[str]:
         """The command to start on machine ``node_rank`` (static rendezvous, as
-        ``helpers.launch.torchrun_command`` writes it). ``torchrun`` is the launcher's argv
+        ``helpers.runner.launch.torchrun_command`` writes it). ``torchrun`` is the launcher's argv
         prefix: ``("torchrun",)`` on a cluster, ``(sys.executable, "-m", "torch.distributed.run")``
         here.
 
         Raises:
             ValueError: ``node_rank`` outside [0, nnodes).
         """
-        from helpers import launch
+        from helpers.runner import launch
 
         if not 0 <= node_rank < self.nnodes:
             raise ValueError(f"node_rank={node_rank} must be in [0, {self.nnodes})")
@@ -64,7 +64,7 @@ class LaunchPlan:
 
     def local_command(self) -> list[str]:
         """Node 0's command with this Python's ``-m torch.distributed.run`` (what
-        ``helpers.launch.torchrun`` executes on one machine)."""
+        ``helpers.runner.launch.torchrun`` executes on one machine)."""
         return self.node_command(0, (sys.executable, "-m", "torch.distributed.run"))
 
 
@@ -87,7 +87,7 @@ def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc
             backward, so Megatron keeps TP inside a node's NVLink domain; Narayanan et al. 2021,
             section 3.3).
     """
-    from helpers import launch
+    from helpers.runner import launch
 
     if nnodes < 1:
         raise ValueError(f"nnodes={nnodes} must be >= 1")

@@ -8,9 +8,9 @@ TP=1 model's initial weights every layout starts from), :func:`run_layout`,
 :func:`run_layout` refuses a layout before launching); section 8 (the TP=2 run's checkpoint
 for notebook 06).
 
-Each layout is Megatron-LM's training loop (``helpers.pretrain_gpt`` with the flags of
-:mod:`helpers.megatron_args`), started by a one-node :class:`helpers.demos.launch_plans.LaunchPlan`.
-Entry point (started by torchrun through :mod:`helpers.launch`)::
+Each layout is Megatron-LM's training loop (``helpers.learn.pretrain_gpt`` with the flags of
+:mod:`helpers.runner.megatron_args`), started by a one-node :class:`helpers.demos.launch_plans.LaunchPlan`.
+Entry point (started by torchrun through :mod:`helpers.runner.launch`)::
 
     python -m helpers.demos.layout_runs --config initial.json   # save the TP=1 initial weights
 
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from helpers.demos.launch_plans import launch_plan
-from helpers.launch import _ITERATION
-from helpers.model import Layout, ModelConfig, check_layout
-from helpers.training_config import training_differences
+from helpers.runner.launch import _ITERATION
+from helpers.learn.model import Layout, ModelConfig, check_layout
+from helpers.learn.training_config import training_differences
 
 #: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
 _NOTEBOOK = "05_parallelism"
@@ -87,7 +87,7 @@ class LayoutRun:
 
 def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_batch_size: int, global_batch_size: int,
                       train_iters: int, split: str = "969,30,1", lr: float = 1e-3, seed: int = 1234) -> Any:
-    """The training config every layout of notebook 05 shares (a ``helpers.training_config.TrainingConfig``).
+    """The training config every layout of notebook 05 shares (a ``helpers.learn.training_config.TrainingConfig``).
 
     The ``cpu`` training profile with the given model and batch, fp32, no dropout required but
     checked, the data of ``{run_dir}/data`` (notebook 01), a loss logged every iteration, one
@@ -99,7 +99,7 @@ def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_b
             or the vocabulary padding would differ between TP=1 and TP=2 (extra logits rows
             change the softmax): the message says how to set ``make_vocab_size_divisible_by``.
     """
-    from helpers import training_config
+    from helpers.learn import training_config
 
     run = Path(run_dir).expanduser().resolve()
     if model.hidden_dropout or model.attention_dropout:
@@ -171,9 +171,10 @@ def initial_checkpoint(base: Any, *, timeout_s: float = 600.0, progress: bool = 
 
     Raises:
         checkpointing.CheckpointMismatchError: a cached initial checkpoint of another model shape.
-        helpers.launch.LaunchError: the job failed or timed out.
+        helpers.runner.launch.LaunchError: the job failed or timed out.
     """
-    from helpers import checkpointing, launch
+    from helpers.learn import checkpointing
+    from helpers.runner import launch
 
     folder = base.run_path / "initial"
     cfg = replace(base, checkpoint_dir=str(folder), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -198,7 +199,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     """Train ``base`` with ``layout`` under torchrun on this machine and collect its losses.
 
     The launch is the node-0 command of a one-node :class:`LaunchPlan`; the command
-    ``helpers.launch.torchrun`` executed is checked to be exactly that one. Cached: when the
+    ``helpers.runner.launch.torchrun`` executed is checked to be exactly that one. Cached: when the
     layout already finished ``train_iters`` with the same config, its stored result is returned
     (``skipped=True``).
 
@@ -216,12 +217,13 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         :class:`LayoutRun`.
 
     Raises:
-        ValueError: :func:`helpers.model.check_layout` refuses the layout, or the folder holds a run of
+        ValueError: :func:`helpers.learn.model.check_layout` refuses the layout, or the folder holds a run of
             another config (nothing is launched or deleted); an unknown ``initial``.
         FileNotFoundError: the data of notebook 01 is missing.
-        helpers.launch.LaunchError: a rank failed (named) or the job timed out.
+        helpers.runner.launch.LaunchError: a rank failed (named) or the job timed out.
     """
-    from helpers import checkpointing, launch, megatron_args, metrics
+    from helpers.learn import checkpointing
+    from helpers.runner import launch, megatron_args, metrics
 
     if initial not in ("shared", "own"):
         raise ValueError(f"initial={initial!r}: choose 'shared' or 'own'")
@@ -285,7 +287,7 @@ def compare_losses(reference: LayoutRun, runs: Sequence[LayoutRun], atol: float 
     """Per run: the largest |loss - reference loss| over the iterations, and whether it is <= atol.
 
     Returns:
-        Rows for ``helpers.results.markdown_table``: ``[{"run", "layout", "initial weights",
+        Rows for ``helpers.support.results.markdown_table``: ``[{"run", "layout", "initial weights",
         "max_abs_diff", "first_iteration_diff", "within_atol"}]`` (differences in nats/token).
 
     Raises:
@@ -303,7 +305,7 @@ def compare_losses(reference: LayoutRun, runs: Sequence[LayoutRun], atol: float 
 
 def loss_table(runs: Sequence[LayoutRun]) -> list[dict[str, Any]]:
     """One row per iteration: ``{"iteration": i, <run name>: LM loss (nats/token), ...}``, for
-    ``helpers.results.markdown_table`` (pass ``digits=7`` to see fp32 round-off).
+    ``helpers.support.results.markdown_table`` (pass ``digits=7`` to see fp32 round-off).
 
     Raises:
         ValueError: no runs.
@@ -318,7 +320,7 @@ def timing_table(runs: Sequence[LayoutRun], tokens_per_iteration: int) -> list[d
     tokens per second it implies (``tokens_per_iteration`` = global batch x sequence length).
 
     Returns:
-        Rows for ``helpers.results.markdown_table``: ``[{"run", "processes", "wall_s", "cached",
+        Rows for ``helpers.support.results.markdown_table``: ``[{"run", "processes", "wall_s", "cached",
         "median_s_per_iter", "tokens_per_s"}]`` (seconds; tokens per second).
     """
     rows = []
@@ -356,8 +358,8 @@ def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
 # =========================================================================== torchrun entry points
 def _init_checkpoint_main(config: str) -> None:
     """Build the TP=1 model with the run's seed, as Megatron-LM's loop does, and save its weights at iteration 0."""
-    from helpers import checkpointing, distributed, training_config
-    from helpers import model as model_lib
+    from helpers.learn import checkpointing, distributed, training_config
+    from helpers.learn import model as model_lib
 
     cfg = training_config.TrainingConfig.from_json(config)
     distributed.initialize_distributed(1, 1, cfg.seed)
@@ -375,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     weights as ``iter_0000000`` (what :func:`initial_checkpoint` launches)."""
     parser = argparse.ArgumentParser(prog="python -m helpers.demos.layout_runs",
                                      description="save the TP=1 model's initial weights as iter_0000000")
-    parser.add_argument("--config", required=True, help="a helpers.training_config.TrainingConfig JSON file")
+    parser.add_argument("--config", required=True, help="a helpers.learn.training_config.TrainingConfig JSON file")
     args = parser.parse_args(argv)
-    from helpers import run_guard
+    from helpers.support import run_guard
 
     run_guard.checkpoint_queue_in_process()
     _init_checkpoint_main(args.config)

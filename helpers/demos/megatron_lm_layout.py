@@ -2,7 +2,7 @@
 
 The guide converted Megatron-LM's ``iter_0150000/mp_rank_00/model_optim_rng.pt``. The series trains
 with megatron-core and writes torch_dist, so notebook 06 writes its own trained weights in that
-older layout and converts them back with :mod:`helpers.megatron_lm`, which must give the same
+older layout and converts them back with :mod:`helpers.learn.megatron_lm`, which must give the same
 transformers model; the tests build every variant the reader accepts with the same functions.
 
 Layout and names: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``:
@@ -21,8 +21,8 @@ import signal
 
 import torch
 
-from helpers import megatron_lm
-from helpers import model as model_lib
+from helpers.learn import megatron_lm
+from helpers.learn import model as model_lib
 
 WE = "embedding.word_embeddings.weight"
 #: megatron-core local-spec layer names -> the old Megatron-LM model's (inverse of what the reader maps).

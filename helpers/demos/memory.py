@@ -1,7 +1,7 @@
-"""The memory calculator drawn: tables and bar charts of :mod:`helpers.memory` over layouts.
+"""The memory calculator drawn: tables and bar charts of :mod:`helpers.learn.memory` over layouts.
 
 The calculator itself (bytes per GPU of weights, gradients, optimizer state and activations)
-is :mod:`helpers.memory`, imported here under the same names. Notebook 05, section 5 ("Memory per GPU: what each layout saves": :func:`memory_per_gpu`,
+is :mod:`helpers.learn.memory`, imported here under the same names. Notebook 05, section 5 ("Memory per GPU: what each layout saves": :func:`memory_per_gpu`,
 :func:`memory_table`, :func:`plot_memory`, :data:`MODEL_SHAPES`) and section 2 ("Tensor
 parallelism: what each rank holds": :func:`parameters_per_rank`, checked against the
 parameters real ranks hold, :mod:`helpers.demos.shards`).
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from helpers.memory import (BYTES_PER_PARAMETER, MemoryEstimate, activation_bytes_per_layer, megatron_lm_estimate,
+from helpers.learn.memory import (BYTES_PER_PARAMETER, MemoryEstimate, activation_bytes_per_layer, megatron_lm_estimate,
                             memory_per_gpu, parameters_per_rank)
-from helpers.model import PROFILES as MODEL_PROFILES
-from helpers.model import Layout, ModelConfig
+from helpers.learn.model import PROFILES as MODEL_PROFILES
+from helpers.learn.model import Layout, ModelConfig
 
 __all__ = ["BYTES_PER_PARAMETER", "MODEL_SHAPES", "MemoryEstimate", "activation_bytes_per_layer", "megatron_lm_estimate",
            "memory_per_gpu", "memory_table", "parameters_per_rank", "plot_memory"]

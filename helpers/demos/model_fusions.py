@@ -4,7 +4,7 @@
   fusion flags (:data:`FUSION_FLAGS`) off and on, timed in paired rounds
   (:func:`benchmark_fusion_flags`);
 * section 9: megatron-core's op-by-op ``DotProductAttention`` against the fused SDPA one of
-  :mod:`helpers.attention` (:func:`benchmark_core_attention`);
+  :mod:`helpers.learn.attention` (:func:`benchmark_core_attention`);
 * section 10: what training should use on this device, following this notebook's recorded
   measurement when a run folder has one (:func:`adamw_implementation`,
   :func:`recommended_fusion_flags`).
@@ -27,11 +27,12 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 
-from helpers import distributed, results
-from helpers import model as model_lib
-from helpers.attention import MODULES
+from helpers.learn import distributed
+from helpers.support import results
+from helpers.learn import model as model_lib
+from helpers.learn.attention import MODULES
 from helpers.demos.timing import Timing, device_type, synchronize, time_calls
-from helpers.optimizer import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW_PREFERENCE, adamw_unavailable_reason
+from helpers.learn.optimizer import ADAMW_IMPLEMENTATIONS, DEFAULT_ADAMW_PREFERENCE, adamw_unavailable_reason
 
 #: The notebook whose ``summary.json`` entries section 10's choices follow.
 NOTEBOOK = "04_fused_kernels"
@@ -87,7 +88,7 @@ def benchmark_fusion_flags(cfg: Any, *, micro_batch_size: int = 2, warmup: int =
     random batch. The losses differ only by the GELU form (erf vs tanh).
 
     Args:
-        cfg: a :class:`helpers.model.ModelConfig`; its fusion flags are overridden.
+        cfg: a :class:`helpers.learn.model.ModelConfig`; its fusion flags are overridden.
         micro_batch_size: sequences per step.
         warmup, repeats: see :func:`time_calls` (the first flags-on step compiles).
         device: default CUDA when available.
@@ -162,7 +163,7 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
     """Time forward + backward of both core-attention modules at ``cfg``'s shapes (causal, no dropout).
 
     Args:
-        cfg: a :class:`helpers.model.ModelConfig` (heads, width, sequence length).
+        cfg: a :class:`helpers.learn.model.ModelConfig` (heads, width, sequence length).
         micro_batch_size: sequences per call.
         device, dtype: where and in what precision (notebook 04 uses bf16 on CUDA, fp32 on a
             CPU, where bf16 runs but is slow).
@@ -174,7 +175,7 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
 
     Raises:
         ValueError: ``micro_batch_size < 1``; see also :func:`time_calls` and
-            :func:`helpers.model.transformer_config`.
+            :func:`helpers.learn.model.transformer_config`.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size}: pass at least 1 sequence per call")
@@ -217,10 +218,10 @@ def adamw_implementation(device: str | None = None, run_dir: str | os.PathLike |
 
     Uses notebook 04's measurement (``summary.json``: ``adamw_fastest``) when ``run_dir`` has
     one for the same device type; otherwise the first available of
-    :data:`helpers.optimizer.DEFAULT_ADAMW_PREFERENCE` (Apex FusedAdam on a GPU with Apex, else torch's fused).
+    :data:`helpers.learn.optimizer.DEFAULT_ADAMW_PREFERENCE` (Apex FusedAdam on a GPU with Apex, else torch's fused).
 
     Returns:
-        one of :data:`helpers.optimizer.ADAMW_IMPLEMENTATIONS`.
+        one of :data:`helpers.learn.optimizer.ADAMW_IMPLEMENTATIONS`.
     """
     device = device_type(device)
     measured = _measured(run_dir, device).get("adamw_fastest")

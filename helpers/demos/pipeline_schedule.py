@@ -5,7 +5,7 @@ Notebook 05, section 3 ("Pipeline parallelism: stages, micro-batches and the bub
 :func:`schedule_stats` measures its idle fraction and the activations each stage holds,
 :func:`plot_schedule` draws both timelines and :func:`bubble_table` sets the simulated bubble
 next to the formula :func:`bubble_fraction`. Section 5's memory calculator
-(:mod:`helpers.memory`) uses the same micro-batches-in-flight result.
+(:mod:`helpers.learn.memory`) uses the same micro-batches-in-flight result.
 
 Sources: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (arXiv:2104.04473) section 2.2 (1F1B, the bubble); Huang et al. 2019,
@@ -175,7 +175,7 @@ def bubble_table(pipeline_model_parallel_size: int, microbatches: Sequence[int] 
     micro-batches a stage holds at once with 1F1B and with GPipe.
 
     Returns:
-        Rows for ``helpers.results.markdown_table``: ``[{"micro-batches m", "bubble (p-1)/(m+p-1),
+        Rows for ``helpers.support.results.markdown_table``: ``[{"micro-batches m", "bubble (p-1)/(m+p-1),
         p=<p>", "simulated 1F1B bubble", "1F1B peak micro-batches held", "GPipe peak"}]``
         (bubbles as percentage strings).
     """

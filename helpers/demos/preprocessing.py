@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from helpers import corpus as corpus_mod
-from helpers import tokenizer as tokenizer_mod
-from helpers.preprocess import DATA_DIR, DataPaths, data_paths, open_indexed_dataset, tokenize_to_indexed_dataset
+from helpers.learn import corpus as corpus_mod
+from helpers.learn import tokenizer as tokenizer_mod
+from helpers.learn.preprocess import DATA_DIR, DataPaths, data_paths, open_indexed_dataset, tokenize_to_indexed_dataset
 
 def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True,
                     tokenizer=None) -> str:
     """Text of document ``index`` of an ``IndexedDataset``, decoded with the folder's tokenizer.
 
     With ``strip_eod`` the trailing EOD token appended by preprocessing is removed first.
-    Pass ``tokenizer`` (from :func:`helpers.tokenizer.load_fast_tokenizer`) to decode many
+    Pass ``tokenizer`` (from :func:`helpers.learn.tokenizer.load_fast_tokenizer`) to decode many
     documents without reloading it each time.
     """
     tok = tokenizer if tokenizer is not None else tokenizer_mod.load_fast_tokenizer(tokenizer_dir)
@@ -95,14 +95,14 @@ def build_corpus_dataset(
 ) -> CorpusDataset:
     """Clean ``source`` and tokenize it into ``{run_dir}/data/<name>_content_document.bin/.idx``.
 
-    Cached like ``helpers.data_stage.build_data`` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
+    Cached like ``helpers.runner.data_stage.build_data`` (skipped when the ``.bin/.idx`` exist; ``engine`` as in
     :func:`tokenize_to_indexed_dataset`); the tokenizer is the run's own
     (``{run_dir}/data/tokenizer``, notebook 01's) unless ``tokenizer_dir`` is given, so the
     corpora can be blended.
 
     Raises:
         ValueError: ``name`` is not a simple file name, or is the main corpus' name.
-        FileNotFoundError / ValueError: from :func:`helpers.corpus.collect_corpus`.
+        FileNotFoundError / ValueError: from :func:`helpers.learn.corpus.collect_corpus`.
     """
     if not name or not name.replace("_", "").replace("-", "").isalnum() or name == "codeparrot":
         raise ValueError(f"name={name!r}: use letters, digits, '_' or '-', and not 'codeparrot' (the main corpus)")
@@ -120,7 +120,7 @@ def build_corpus_dataset(
 
 
 def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_dir: str = "Megatron-LM") -> str:
-    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as ``helpers.data_stage.build_data``.
+    """Today's Megatron-LM command that writes the same ``.bin/.idx`` as ``helpers.runner.data_stage.build_data``.
 
     The guide's 2022 flags updated: ``--dataset-impl`` and ``--chunk-size`` are gone,
     ``--vocab`` is now an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face

@@ -12,7 +12,7 @@ Narayanan et al. 2021 (arXiv:2104.04473) section 3 (composing TP, PP and DP).
 
 from __future__ import annotations
 
-from helpers.model import Layout, ModelConfig, check_layout, divisors
+from helpers.learn.model import Layout, ModelConfig, check_layout, divisors
 
 #: megatron-core 0.19.2's default rank order (``initialize_model_parallel(order=...)``):
 #: TP ranks are neighbours (same node), PP is the outermost dimension.
@@ -21,7 +21,7 @@ _DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 
 def layouts_for(world_size: int, model: ModelConfig | None = None) -> list[Layout]:
     """Every (TP, PP, DP) with TP x PP x DP = ``world_size`` (valid for ``model`` when given,
-    see :func:`helpers.model.check_layout`), ordered by TP, then PP."""
+    see :func:`helpers.learn.model.check_layout`), ordered by TP, then PP."""
     out = []
     for tp in divisors(world_size):
         for pp in divisors(world_size // tp):

@@ -213,7 +213,7 @@ def op_shapes(cfg: Any, micro_batch_size: int) -> dict[str, tuple[int, ...]]:
     """The shapes each fused op sees in one micro-batch of a GPT with config ``cfg``.
 
     Args:
-        cfg: a :class:`helpers.model.ModelConfig` (hidden_size, ffn_size,
+        cfg: a :class:`helpers.learn.model.ModelConfig` (hidden_size, ffn_size,
             num_attention_heads, seq_length).
         micro_batch_size: sequences per micro-batch.
 

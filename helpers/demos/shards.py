@@ -4,9 +4,9 @@ Notebook 05, section 2 ("Tensor parallelism: what each rank holds"): :func:`insp
 builds the model on real ranks (TP=2 x PP=2, 4 processes under torchrun),
 :func:`shard_table` shows every parameter's full and local shape and split dimension, and
 :func:`rank_summary` sets each rank's parameter count and all-reduce count next to the
-formulas (:func:`helpers.memory.parameters_per_rank`, :func:`expected_tp_allreduces`).
+formulas (:func:`helpers.learn.memory.parameters_per_rank`, :func:`expected_tp_allreduces`).
 
-Entry point (started by torchrun through :mod:`helpers.launch`)::
+Entry point (started by torchrun through :mod:`helpers.runner.launch`)::
 
     python -m torch.distributed.run --nproc_per_node 4 -m helpers.demos.shards \\
         --config shards.json --tp 2 --pp 2 --out shards/
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from helpers.demos.layout_runs import launch_env
-from helpers.memory import parameters_per_rank
-from helpers.model import Layout, ModelConfig, build_model, check_layout
+from helpers.learn.memory import parameters_per_rank
+from helpers.learn.model import Layout, ModelConfig, build_model, check_layout
 
 
 def inspect_shards(base: Any, layout: Layout, *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
@@ -50,10 +50,10 @@ def inspect_shards(base: Any, layout: Layout, *, timeout_s: float = 600.0) -> li
         (``{"forward", "forward_backward"}`` counts).
 
     Raises:
-        ValueError: :func:`helpers.model.check_layout` refuses the layout.
-        helpers.launch.LaunchError: a rank failed or the job timed out.
+        ValueError: :func:`helpers.learn.model.check_layout` refuses the layout.
+        helpers.runner.launch.LaunchError: a rank failed or the job timed out.
     """
-    from helpers import launch
+    from helpers.runner import launch
 
     check_layout(base.model, layout, world_size=layout.world_size)
     cache = base.run_path / f"shards_{layout.name}.json"
@@ -78,7 +78,7 @@ def inspect_shards(base: Any, layout: Layout, *, timeout_s: float = 600.0) -> li
 
 
 def shard_table(ranks: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Rows for ``helpers.results.markdown_table``: which layers each rank holds, then every kind
+    """Rows for ``helpers.support.results.markdown_table``: which layers each rank holds, then every kind
     of parameter (``decoder.layers.N.`` stands for each of its layers) with its full (TP=1) shape
     and, per rank, its local shape and split dimension, or "replicated" (``-`` where the rank
     holds none).
@@ -148,13 +148,13 @@ def expected_tp_allreduces(layers_on_stage: int, first_stage: bool, last_stage: 
 def _shards_main(config: str, tp: int, pp: int, out: str) -> None:
     """Each rank: build the model, record its parameters (global layer numbers) and groups,
     count TP all-reduces. The micro-batch goes through a ``forward_step`` like
-    ``helpers.pretrain_gpt``'s (the same model call; the loss without Megatron-LM's NaN check)."""
+    ``helpers.learn.pretrain_gpt``'s (the same model call; the loss without Megatron-LM's NaN check)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from helpers import distributed, training_config
+    from helpers.learn import distributed, training_config
 
     cfg = training_config.TrainingConfig.from_json(config)
     info = distributed.initialize_distributed(tp, pp, cfg.seed)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     (what :func:`inspect_shards` launches): every rank writes ``DIR/rank<N>.json``."""
     parser = argparse.ArgumentParser(prog="python -m helpers.demos.shards",
                                      description="report each rank's parameter shards and TP all-reduce counts")
-    parser.add_argument("--config", required=True, help="a helpers.training_config.TrainingConfig JSON file")
+    parser.add_argument("--config", required=True, help="a helpers.learn.training_config.TrainingConfig JSON file")
     parser.add_argument("--tp", type=int, required=True, help="tensor-model-parallel size")
     parser.add_argument("--pp", type=int, required=True, help="pipeline-model-parallel size")
     parser.add_argument("--out", required=True, help="folder for the rank<N>.json files")

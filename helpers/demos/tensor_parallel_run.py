@@ -2,7 +2,7 @@
 
 :func:`run_tensor_parallel` starts ``torchrun`` processes (gloo on the CPU) that each run
 :func:`main` of this module: load a checkpoint into a ``GPTModel`` split over the ranks
-(``helpers.checkpointing.load_model``: ``dist_checkpointing`` reshards whatever TP size saved it)
+(``helpers.learn.checkpointing.load_model``: ``dist_checkpointing`` reshards whatever TP size saved it)
 or initialise one randomly, compute the logits of given tokens (all-gathered over the
 tensor-parallel group) and save the model in that TP layout. Notebook 06 converts the saved
 TP=2 checkpoint and compares it with the TP=1 conversion, tensor by tensor.
@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from helpers import checkpointing
-from helpers.model import ModelConfig
+from helpers.learn import checkpointing
+from helpers.learn.model import ModelConfig
 
 
 @dataclass
@@ -50,7 +50,7 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
     ranks (any saved TP size loads), or initialises one randomly from ``model_config`` and
     ``seed``. Then optionally computes the logits of ``tokens`` (each rank holds a vocabulary
     slice; they are all-gathered over the tensor-parallel group) and saves the model in this TP
-    layout (``helpers.checkpointing.save_model``, with ``model_config.json``).
+    layout (``helpers.learn.checkpointing.save_model``, with ``model_config.json``).
 
     Args:
         tensor_model_parallel_size: processes = TP size.
@@ -70,9 +70,9 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
     Raises:
         ValueError: neither or both of ``load`` / ``model_config``.
         FileExistsError: ``save`` already holds a checkpoint.
-        helpers.launch.LaunchError: a rank failed or the job timed out.
+        helpers.runner.launch.LaunchError: a rank failed or the job timed out.
     """
-    from helpers import launch
+    from helpers.runner import launch
 
     if (load is None) == (model_config is None):
         raise ValueError("pass exactly one of load= (a checkpoint) or model_config= (random initialisation)")
@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from helpers import run_guard
-    from helpers.distributed import destroy_distributed, initialize_distributed
+    from helpers.support import run_guard
+    from helpers.learn.distributed import destroy_distributed, initialize_distributed
 
     run_guard.checkpoint_queue_in_process()
 

@@ -1,0 +1,263 @@
+"""The memory calculator: bytes per GPU of weights, gradients, optimizer state and activations.
+
+What one GPU holds for a model, a parallel layout, a micro-batch and a precision; notebook 05
+section 5 draws it for layouts and model sizes (:mod:`helpers.demos.memory`), notebook 03's
+preflight (:mod:`helpers.runner.preflight`) prints it before a run starts.
+
+Sources: Megatron-LM ``docs/source/api-guide/distrib_optimizer.md`` (bytes per parameter);
+Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054) section 5 (optimizer-state sharding);
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198) sections 4-5 (activation memory); megatron-core 0.19.2
+``tensor_parallel/layers.py``, ``models/gpt/gpt_model.py`` (what each rank holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters
+
+#: Bytes of one parameter, its gradient and its optimizer state (Adam) by training precision,
+#: as Megatron-LM's ``docs/source/api-guide/distrib_optimizer.md`` tabulates them:
+#: fp16: fp16 param (2) + fp16 grad (2) + fp32 main grad, master param, Adam m and v (16);
+#: bf16: bf16 param (2) + fp32 main grad (4) + fp32 master param, m, v (12);
+#: fp32: param (4) + grad (4) + m, v (8). The distributed optimizer shards the last column
+#: over the data-parallel ranks (ZeRO stage 1, Rajbhandari et al. 2020).
+BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {
+    "fp16": {"weights": 2, "gradients": 2, "optimizer_state": 16},
+    "bf16": {"weights": 2, "gradients": 4, "optimizer_state": 12},
+    "fp32": {"weights": 4, "gradients": 4, "optimizer_state": 8},
+}
+
+_GIB = 1024 ** 3
+
+#: Bytes per parameter in one Megatron-LM checkpoint (``--ckpt-format torch_dist``): the weights in
+#: the training precision plus Adam's state (m and v, and the fp32 master weights in mixed precision,
+#: ``--bf16``/``--fp16``); gradients are not saved. Tied embeddings are saved once.
+CHECKPOINT_BYTES_PER_PARAMETER: dict[str, int] = {"fp16": 2 + 12, "bf16": 2 + 12, "fp32": 4 + 8}
+
+#: Bytes per rank beside the tensors (``.metadata``, ``common.pt``: arguments, RNG states,
+#: scheduler), plus 1 % of the tensors for their index: measured 0.25-0.39 MB per save for the
+#: series' smoke and cpu models (0.17M and 3.4M parameters, fp32, one rank).
+CHECKPOINT_OVERHEAD_BYTES_PER_RANK = 512 * 1024
+
+
+def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
+                        pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+    """Parameters held by one GPU: its tensor-parallel shard of its pipeline stage.
+
+    Per layer (h hidden, f MLP width, t TP size): column-parallel QKV (3h^2 + 3h)/t and fc1
+    (hf + f)/t, row-parallel projection h^2/t and fc2 hf/t whose biases (h each) are replicated,
+    and two LayerNorms (4h) replicated on every TP rank. The first stage adds the vocab-parallel
+    word embeddings V_pad*h/t and the position embeddings P*h (replicated); the last stage the
+    final LayerNorm (2h) and the output layer V_pad*h/t, which, with tied embeddings, is a
+    *copy* of the word embeddings when PP > 1 and absent when PP = 1 (megatron-core
+    ``LanguageModule.setup_embeddings_and_output_layer``). Source: megatron-core
+    ``tensor_parallel/layers.py``, ``models/gpt/gpt_model.py``. Equals ``sum(p.numel())`` on
+    that rank (checked in notebook 05 on real ranks).
+
+    Raises:
+        ValueError: a layout :func:`check_layout` refuses, or ``pipeline_rank`` out of range.
+    """
+    t, p = tensor_model_parallel_size, pipeline_model_parallel_size
+    check_layout(model, Layout(t, p, 1))
+    if not 0 <= pipeline_rank < p:
+        raise ValueError(f"pipeline_rank={pipeline_rank} must be in [0, {p})")
+    h, f = model.hidden_size, model.ffn_size
+    v = model.padded_vocab_size(t)
+    per_layer = 4 * h + (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + h * f // t + h
+    total = model.num_layers // p * per_layer
+    if pipeline_rank == 0:
+        total += v * h // t + model.max_position_embeddings * h
+    if pipeline_rank == p - 1:
+        total += 2 * h
+        if not model.share_embeddings_and_output_weights or p > 1:
+            total += v * h // t
+    return total
+
+
+def activation_bytes_per_layer(model: ModelConfig, micro_batch_size: int, tensor_model_parallel_size: int = 1, *,
+                               recompute: str = "none", sequence_parallel: bool = False) -> float:
+    """Activation memory one transformer layer keeps for the backward pass, per micro-batch (bytes).
+
+    Korthikanti et al. 2022 (arXiv:2205.05198), 16-bit activations and 1-byte dropout masks,
+    s sequence, b micro-batch, h hidden, a heads, t TP size:
+
+    * no recompute: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (equation 2); with sequence parallelism
+      s*b*h/t*(34 + 5*a*s/h) (equation 4);
+    * selective recompute (attention scores, softmax and its dropout recomputed; section 5):
+      s*b*h*(10 + 24/t), or 34*s*b*h/t with sequence parallelism;
+    * full recompute (only each layer's input kept; section 4.4): 2*s*b*h, or 2*s*b*h/t.
+
+    The formulas assume f = 4h. Raises:
+        ValueError: unknown ``recompute``.
+    """
+    s, b, h, a, t = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads, tensor_model_parallel_size
+    sbh = s * b * h
+    if recompute == "none":
+        return sbh / t * (34 + 5 * a * s / h) if sequence_parallel else sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    if recompute == "selective":
+        return 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    if recompute == "full":
+        return 2 * sbh / t if sequence_parallel else 2 * sbh
+    raise ValueError(f"recompute={recompute!r}: choose 'none', 'selective' or 'full'")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU of one pipeline stage (see :func:`memory_per_gpu`).
+
+    Attributes:
+        stage: the pipeline rank described.
+        parameters: parameters on this GPU.
+        weights, gradients, optimizer_state, activations: bytes.
+        microbatches_in_flight: micro-batches whose activations the stage holds at its peak.
+    """
+
+    stage: int
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+    microbatches_in_flight: int
+
+    @property
+    def total(self) -> float:
+        """Sum of the four parts, in bytes (no allocator overhead, no communication buffers)."""
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def gib(self) -> dict[str, float]:
+        """The parts and the total in GiB (2^30 bytes), rounded to 2 decimals."""
+        keys = ("weights", "gradients", "optimizer_state", "activations")
+        return {k: round(getattr(self, k) / _GIB, 2) for k in keys} | {"total": round(self.total / _GIB, 2)}
+
+
+def checkpoint_bytes(model: ModelConfig, precision: str = "bf16", world_size: int = 1) -> int:
+    """Bytes one checkpoint of ``model`` takes on disk, all ranks together (an estimate).
+
+    :func:`helpers.learn.model.count_parameters` x :data:`CHECKPOINT_BYTES_PER_PARAMETER` x 1.01, plus
+    :data:`CHECKPOINT_OVERHEAD_BYTES_PER_RANK` per rank. The parameters are counted once however
+    the model is split: a distributed checkpoint saves each shard once (megatron-core
+    ``dist_checkpointing``). Checked against Megatron-LM's real saves in ``tests/test_training.py``
+    (never below; at most 15 % above for the tests' smallest model, where the fixed overhead weighs
+    most; 1.3 % above for the cpu profile's 41 MB save, measured 2026-12-03).
+
+    Raises:
+        ValueError: an unknown ``precision``.
+    """
+    if precision not in CHECKPOINT_BYTES_PER_PARAMETER:
+        raise ValueError(f"precision={precision!r}: choose one of {sorted(CHECKPOINT_BYTES_PER_PARAMETER)}")
+    tensors = count_parameters(model) * CHECKPOINT_BYTES_PER_PARAMETER[precision]
+    return int(tensors * 1.01) + CHECKPOINT_OVERHEAD_BYTES_PER_RANK * world_size
+
+
+def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int = 1, num_microbatches: int = 1,
+                   precision: str = "bf16", distributed_optimizer: bool = False, recompute: str = "none",
+                   sequence_parallel: bool = False, stage: int | None = None) -> MemoryEstimate:
+    """Bytes per GPU of weights, gradients, optimizer state and activations for one layout.
+
+    * weights, gradients, optimizer state: :func:`parameters_per_rank` x
+      :data:`BYTES_PER_PARAMETER` (Megatron-LM ``distrib_optimizer.md``); the distributed
+      optimizer divides the optimizer state by DP (ZeRO stage 1, Rajbhandari et al. 2020, section
+      5.1: 4 + 12/N_d bytes per parameter in their fp16 accounting);
+    * activations: :func:`activation_bytes_per_layer` x layers per stage x micro-batches in
+      flight. With the 1F1B schedule stage r holds min(p - r, m) micro-batches at its peak, so
+      the first stage holds p x L/p layers' worth: the whole model's (Korthikanti et al. 2022,
+      section 4.2.3). The first stage adds the embedding dropout mask s*b*h (/t with sequence
+      parallelism) per micro-batch held, the last stage the output layer's
+      4*s*b*h/t*(1 + V/h) (section 4.3: LayerNorm input and fp32 logits).
+
+    Args:
+        model: the model shape; layout: TP, PP, DP.
+        micro_batch_size: samples per micro-batch b; num_microbatches: m per optimizer step.
+        precision: ``"bf16"``, ``"fp16"`` or ``"fp32"`` (mixed precision keeps fp32 master weights).
+        distributed_optimizer: shard the optimizer state over the DP ranks.
+        recompute: ``"none"``, ``"selective"`` or ``"full"`` activation recomputation.
+        sequence_parallel: split LayerNorm/dropout activations over the TP ranks (needs TP > 1).
+        stage: the pipeline rank to describe; default: the stage with the largest total.
+
+    Returns:
+        :class:`MemoryEstimate`.
+
+    Raises:
+        ValueError: a layout :func:`check_layout` refuses, an unknown precision or recompute,
+            a micro-batch count or size below 1.
+    """
+    check_layout(model, layout)
+    if precision not in BYTES_PER_PARAMETER:
+        raise ValueError(f"precision={precision!r}: choose one of {sorted(BYTES_PER_PARAMETER)}")
+    if micro_batch_size < 1 or num_microbatches < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} and num_microbatches={num_microbatches} must be >= 1")
+    t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    per_param = BYTES_PER_PARAMETER[precision]
+    layer = activation_bytes_per_layer(model, micro_batch_size, t, recompute=recompute, sequence_parallel=sequence_parallel)
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    estimates = []
+    for r in range(p) if stage is None else [stage]:
+        n = parameters_per_rank(model, t, p, r)
+        in_flight = min(p - r, num_microbatches)
+        act = layer * (model.num_layers // p) * in_flight
+        if r == 0:
+            act += s * b * h / (t if sequence_parallel else 1) * in_flight
+        if r == p - 1:
+            act += 4 * s * b * h / t * (1 + model.padded_vocab_size(t) / h)
+        estimates.append(MemoryEstimate(
+            stage=r, parameters=n, weights=float(n * per_param["weights"]), gradients=float(n * per_param["gradients"]),
+            optimizer_state=n * per_param["optimizer_state"] / (d if distributed_optimizer else 1),
+            activations=float(act), microbatches_in_flight=in_flight))
+    return max(estimates, key=lambda e: e.total)
+
+
+def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size: int = 1, num_microbatches: int = 1,
+                         distributed_optimizer: bool = False, recompute: str = "none",
+                         sequence_parallel: bool = False) -> dict[str, float]:
+    """What Megatron-LM's own calculator predicts per GPU, for :func:`memory_per_gpu` 's inputs (bf16).
+
+    Megatron-LM prints this at the start of a run (``megatron/training/theoretical_memory_usage.py``,
+    ``report_theoretical_memory``): ``compute_weight_and_optimizer_memory`` (18 bytes per parameter
+    of the most loaded shard, 6 + 12/DP with the distributed optimizer) and, for activations,
+    ``compute_activation_memory`` (Korthikanti et al.'s table 2, when sequence parallelism and
+    selective recomputation are both on) or ``compute_activation_memory_without_sp``, which counts
+    ``s*b*h*(10 + 24/t)`` per layer (no attention-score term, as with selective recomputation or a
+    fused attention kernel) and adds 5 % for temporaries. Full recomputation is not modelled.
+    The arguments are the ones Megatron-LM's parser gives these flags (a plain namespace of
+    those names; ``validate_args`` would derive ``kv_channels`` and ``padded_vocab_size`` the same way).
+
+    Returns:
+        ``{"weights_and_optimizer", "activations", "total"}`` in bytes.
+
+    Raises:
+        ValueError: a layout :func:`check_layout` refuses.
+    """
+    import logging
+    from types import SimpleNamespace
+
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    from megatron.training import theoretical_memory_usage as tmu  # megatron/training/training.py sets INFO logging
+
+    root.setLevel(level)
+    root.handlers[:] = handlers
+
+    check_layout(model, layout)
+    t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    args = SimpleNamespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        kv_channels=model.hidden_size // model.num_attention_heads, group_query_attention=False, num_query_groups=None,
+        ffn_hidden_size=model.ffn_size, seq_length=model.seq_length, padded_vocab_size=model.padded_vocab_size(t),
+        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights, add_bias_linear=True,
+        normalization="LayerNorm", swiglu=False, num_experts=None, moe_layer_freq=1, moe_router_topk=2,
+        moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_latent_size=None, mtp_num_layers=None,
+        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None,
+        v_head_dim=None, micro_batch_size=micro_batch_size, tensor_model_parallel_size=t,
+        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=None, data_parallel_size=d,
+        world_size=t * p * d, expert_model_parallel_size=1, expert_tensor_parallel_size=t,
+        use_distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+        recompute_granularity="selective" if recompute == "selective" else None)
+    weights = tmu.compute_weight_and_optimizer_memory(args)
+    if sequence_parallel and recompute == "selective":
+        acts = tmu.compute_activation_memory(args, num_microbatches=num_microbatches)
+    else:
+        acts = tmu.compute_activation_memory_without_sp(args, num_microbatches=num_microbatches)
+    return {"weights_and_optimizer": float(weights), "activations": float(acts), "total": float(weights + acts)}

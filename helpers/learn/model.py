@@ -1,0 +1,475 @@
+"""The GPT model of the series: profiles, megatron-core ``TransformerConfig`` and ``GPTModel``.
+
+The architecture is GPT-2's, as in Hugging Face's CodeParrot guide: learned absolute position
+embeddings, pre-LayerNorm blocks, GELU MLP with 4x expansion, biases everywhere, and input
+and output embeddings tied. Notebook 06 converts it to ``transformers``' ``GPT2LMHeadModel``
+exactly, so everything a converter needs (shape, padded vocab size, *which* GELU, tied-ness)
+is in :meth:`ModelConfig.to_metadata`.
+
+Sources: Megatron-LM ``pretrain_gpt.py`` / ``gpt_builders.py`` (how GPTModel is built),
+``megatron/training/tokenizer`` ``_vocab_size_with_padding`` (vocab padding),
+``megatron/training/training.py`` ``num_floating_point_operations`` and Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters", section 5.1 (FLOPs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+#: GELU variants and the name ``transformers`` gives each (``config.activation_function``).
+GELU_HF_NAME = {"erf": "gelu", "tanh": "gelu_new"}
+
+
+#: Attention kernels of the local layer spec (see ``ModelConfig.core_attention``).
+CORE_ATTENTIONS = ("sdpa", "unfused")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a GPT-2-style megatron-core ``GPTModel``.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width h.
+        num_attention_heads: attention heads (h must be divisible by it).
+        seq_length: training sequence length in tokens.
+        max_position_embeddings: rows of the learned position table (>= seq_length).
+        vocab_size: the tokenizer's vocabulary size (before padding).
+        ffn_hidden_size: MLP width; ``None`` means 4 x hidden_size.
+        make_vocab_size_divisible_by: Megatron pads the vocab to a multiple of this x TP size.
+        hidden_dropout, attention_dropout: dropout probabilities (Megatron-LM default 0.1).
+        init_method_std: std of the normal weight init (Megatron-LM default 0.02).
+        layernorm_epsilon: LayerNorm eps (GPT-2: 1e-5).
+        bias_activation_fusion: use megatron-core's fused bias-GELU, which computes the
+            **tanh** approximation (megatron/core/fusions/fused_bias_gelu.py); unfused is
+            ``F.gelu``, the exact **erf** GELU.
+        masked_softmax_fusion, bias_dropout_fusion: megatron-core fusion flags (work on CPU).
+        share_embeddings_and_output_weights: tie the output layer to the word embeddings.
+        core_attention: the attention kernel of the local layer spec: ``"unfused"``
+            (megatron-core's ``DotProductAttention``: scores, mask, softmax, dropout and the
+            value product as separate ops; what Megatron-LM's ``--transformer-impl local`` trains
+            with) or ``"sdpa"`` (torch's fused ``scaled_dot_product_attention``,
+            :class:`helpers.learn.attention.SDPAttention`, which notebook 04 measures against it).
+            Ignored by the Transformer Engine spec, which has fused attention of its own.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    seq_length: int = 256
+    max_position_embeddings: int = 256
+    vocab_size: int = 8192
+    ffn_hidden_size: int | None = None
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    share_embeddings_and_output_weights: bool = True
+    core_attention: str = "unfused"
+
+    def __post_init__(self) -> None:
+        if self.core_attention not in CORE_ATTENTIONS:
+            raise ValueError(f"ModelConfig.core_attention={self.core_attention!r}: choose one of "
+                             f"{', '.join(map(repr, CORE_ATTENTIONS))}")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                     "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be a probability in [0, 1) "
+                                 "(the guide used 0.1)")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}: pick heads that divide the width"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length={self.seq_length} is above max_position_embeddings="
+                f"{self.max_position_embeddings}: the learned position table has no row for "
+                "positions past it. Lower seq_length or raise max_position_embeddings."
+            )
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width: ``ffn_hidden_size`` or 4 x hidden_size."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def gelu(self) -> str:
+        """``"tanh"`` when the fused bias-GELU is used, else ``"erf"`` (exact)."""
+        return "tanh" if self.bias_activation_fusion else "erf"
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """See :func:`padded_vocab_size`."""
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_model_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dataclass fields as a plain dict (JSON-ready)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Inverse of :meth:`to_dict`; unknown keys are an error naming them.
+
+        Raises:
+            ValueError: a key that is not a ModelConfig field.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+    def to_metadata(self, tensor_model_parallel_size: int = 1) -> dict[str, Any]:
+        """Everything a converter needs, written next to each checkpoint as JSON.
+
+        Includes ``padded_vocab_size``, ``gelu`` (``"erf"``/``"tanh"``) and the matching
+        transformers ``activation_function`` name, ``position_embedding_type``,
+        ``normalization`` and ``tied_embeddings``.
+        """
+        return {
+            **self.to_dict(),
+            "ffn_hidden_size": self.ffn_size,
+            "padded_vocab_size": self.padded_vocab_size(tensor_model_parallel_size),
+            "gelu": self.gelu,
+            "hf_activation_function": GELU_HF_NAME[self.gelu],
+            "position_embedding_type": "learned_absolute",
+            "normalization": "LayerNorm",
+            "add_bias_linear": True,
+            "tied_embeddings": self.share_embeddings_and_output_weights,
+            "num_parameters": count_parameters(self),
+            "flops_per_token": flops_per_token(self),
+        }
+
+
+#: Model profiles. ``cpu``: trains in about 3 minutes on 2 cores. ``codeparrot-small``: the
+#: CodeParrot guide's 110M model (12 layers, hidden 768, 12 heads, seq 1024, dropout 0.1,
+#: GPT-2 BPE of 32,768 tokens in the guide's own tokenizer).
+PROFILES: dict[str, ModelConfig] = {
+    # notebook 03's defaults: chosen with bench/recipe.py for the most learning in 2-3 CPU minutes
+    "cpu": ModelConfig(num_layers=4, hidden_size=192, num_attention_heads=4, seq_length=128,
+                       max_position_embeddings=128, vocab_size=8192),
+    "codeparrot-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
+                                    seq_length=1024, max_position_embeddings=1024,
+                                    vocab_size=32768, hidden_dropout=0.1, attention_dropout=0.1,
+                                    bias_activation_fusion=True, masked_softmax_fusion=True,
+                                    bias_dropout_fusion=True),
+}
+
+
+def profile(name: str, **overrides: Any) -> ModelConfig:
+    """The model profile ``name`` with ``overrides`` applied (``profile("cpu", num_layers=2)``).
+
+    Raises:
+        KeyError: unknown profile name (the message lists the profiles).
+    """
+    if name not in PROFILES:
+        raise KeyError(f"model profile {name!r} is unknown: choose one of {sorted(PROFILES)}")
+    return replace(PROFILES[name], **overrides)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                      tensor_model_parallel_size: int = 1) -> int:
+    """Vocabulary size padded as Megatron pads it: up to a multiple of divisor x TP size.
+
+    Source: Megatron-LM ``megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding``.
+    The extra rows of the embedding are never produced by the tokenizer; a converter keeps
+    or trims them (GPT-2's 50,257 becomes 50,304).
+
+    Raises:
+        ValueError: a size below 1.
+    """
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tensor_model_parallel_size < 1:
+        raise ValueError("vocab_size, make_vocab_size_divisible_by and tensor_model_parallel_size must be >= 1")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def count_parameters(cfg: ModelConfig, tensor_model_parallel_size: int = 1) -> int:
+    """Number of parameters of the (unsharded) GPTModel, counting tied embeddings once.
+
+    word embeddings V_pad*h + positions P*h; per layer 2 LayerNorms (4h), QKV (3h^2 + 3h),
+    output projection (h^2 + h), MLP (2*h*f + f + h); final LayerNorm 2h; an untied output
+    layer adds V_pad*h. Equals ``sum(p.numel())`` of :func:`build_model` (tested).
+    """
+    h, f = cfg.hidden_size, cfg.ffn_size
+    v = cfg.padded_vocab_size(tensor_model_parallel_size)
+    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h)
+    total = v * h + cfg.max_position_embeddings * h + cfg.num_layers * per_layer + 2 * h
+    if not cfg.share_embeddings_and_output_weights:
+        total += v * h
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int:
+    """Training FLOPs per token (forward + backward) of the GPT, for MFU.
+
+    Per layer, forward matmuls cost 2 FLOPs per multiply-add: QKV and projection 8h^2,
+    MLP 4hf, attention scores and the weighted sum 4sh; the logits 2hV. Backward costs twice
+    the forward (3x in all; 4x for the layers with full activation recomputation). With f=4h:
+    ``72*l*h^2*(1 + s/(6h) + V/(12*l*h))`` per token, i.e. 6N plus the attention term 12*l*s*h.
+
+    Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    Clusters" (arXiv:2104.04473), section 5.1; Megatron-LM ``megatron/training/training.py``
+    ``num_floating_point_operations``; PaLM (arXiv:2204.02311) appendix B (6N + 12*l*h*s).
+    """
+    h, f, s, l = cfg.hidden_size, cfg.ffn_size, cfg.seq_length, cfg.num_layers
+    v = cfg.padded_vocab_size()
+    layer_fwd = 8 * h * h + 4 * h * f + 4 * s * h
+    layer_factor = 4 if activation_recompute else 3
+    return l * layer_fwd * layer_factor + 3 * 2 * h * v
+
+
+# =========================================================================== parallel layouts
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor-, pipeline- and data-parallel sizes (world size = TP x PP x DP).
+
+    Attributes:
+        tensor_model_parallel_size: ranks that split every layer's matrices (Megatron
+            ``--tensor-model-parallel-size``).
+        pipeline_model_parallel_size: pipeline stages, each a consecutive block of layers
+            (``--pipeline-model-parallel-size``).
+        data_parallel_size: model replicas, each fed different samples of the global batch.
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Layout.{name}={value!r} must be an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (GPUs) the layout needs: TP x PP x DP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    @property
+    def name(self) -> str:
+        """``"tp2_pp1_dp1"``: a folder-safe name."""
+        return f"tp{self.tensor_model_parallel_size}_pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}"
+
+    @property
+    def label(self) -> str:
+        """``"TP=2 PP=1 DP=1"``: for tables and legends."""
+        return f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} DP={self.data_parallel_size}"
+
+
+def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None = None,
+                 micro_batch_size: int | None = None, global_batch_size: int | None = None) -> None:
+    """Refuse a layout megatron-core cannot build, before any process starts.
+
+    Megatron-LM checks the same things in ``megatron/training/arguments.py`` (``validate_args``)
+    and ``megatron/core/utils.py::divide`` (an ``AssertionError`` deep inside model building,
+    on every rank, if not caught first).
+
+    Args:
+        model: the model shape.
+        layout: TP, PP, DP sizes.
+        world_size: processes that will be started; must equal ``layout.world_size``.
+        micro_batch_size, global_batch_size: when given, the global batch must be a multiple
+            of micro-batch x DP (the rest are gradient-accumulation micro-batches).
+
+    Raises:
+        ValueError: TP does not divide the attention heads, the hidden size or the MLP width;
+            PP is larger than (or does not divide) the number of layers; the world size is
+            not TP x PP x DP; the global batch is not a multiple of micro-batch x DP. The
+            message names the values and the fix.
+    """
+    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    if model.num_attention_heads % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={model.num_attention_heads}: "
+            f"each TP rank computes whole heads. Use a TP size among {divisors(model.num_attention_heads)}."
+        )
+    if model.hidden_size % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide hidden_size={model.hidden_size}: the row-parallel "
+            f"layers split the hidden dimension. Use a TP size among {divisors(model.hidden_size)}."
+        )
+    if model.ffn_size % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the MLP width ffn_hidden_size={model.ffn_size}: "
+            f"use a TP size among {divisors(model.ffn_size)}."
+        )
+    if pp > model.num_layers:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} is larger than num_layers={model.num_layers}: a pipeline stage "
+            f"needs at least one layer. Use PP <= {model.num_layers}."
+        )
+    if model.num_layers % pp:
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} does not divide num_layers={model.num_layers}: every stage "
+            f"holds the same number of layers. Use a PP size among {divisors(model.num_layers)}."
+        )
+    if world_size is not None and world_size != layout.world_size:
+        raise ValueError(
+            f"world size {world_size} != TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size}: start "
+            f"{layout.world_size} processes (nproc_per_node x nnodes), or change the data-parallel size to "
+            f"world_size / (TP x PP)" + (f" = {world_size // (tp * pp)}" if world_size % (tp * pp) == 0 else
+                                         f" (impossible: {world_size} is not a multiple of TP x PP = {tp * pp})")
+        )
+    if micro_batch_size is not None and global_batch_size is not None:
+        step = micro_batch_size * dp
+        if micro_batch_size < 1 or global_batch_size % step:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
+                f"{micro_batch_size} x {dp} = {step}: use a multiple of {step}"
+            )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order: the TP/PP sizes a dimension of length ``n`` allows."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine can be imported (then the TE layer spec is used)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(cfg: ModelConfig, *, tensor_model_parallel_size: int = 1,
+                       pipeline_model_parallel_size: int = 1, precision: str = "fp32",
+                       use_cpu_initialization: bool | None = None):
+    """The megatron-core ``TransformerConfig`` for ``cfg``.
+
+    Args:
+        cfg: the model shape.
+        tensor_model_parallel_size, pipeline_model_parallel_size: parallel layout (must
+            match ``parallel_state.initialize_model_parallel``).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the compute dtype. Parameters stay
+            fp32 (master weights); bf16/fp16 run under ``torch.autocast`` on CUDA
+            (megatron-core's schedules enter it when ``enable_autocast`` is set).
+        use_cpu_initialization: initialise weights on the CPU (default: when CUDA is absent).
+
+    Returns:
+        ``megatron.core.transformer.TransformerConfig``.
+
+    Raises:
+        ValueError: unknown precision, bf16/fp16 without CUDA, or a layout the shape does not
+            allow (:func:`check_layout`).
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}: choose 'fp32', 'bf16' or 'fp16'")
+    if precision != "fp32" and not torch.cuda.is_available():
+        raise ValueError(f"precision={precision!r} needs a CUDA GPU; use precision='fp32' on CPU")
+    check_layout(cfg, Layout(tensor_model_parallel_size, pipeline_model_parallel_size, 1))
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_size,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        normalization="LayerNorm",
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        bias_activation_fusion=cfg.bias_activation_fusion,
+        masked_softmax_fusion=cfg.masked_softmax_fusion,
+        bias_dropout_fusion=cfg.bias_dropout_fusion,
+        apply_rope_fusion=False,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32 if pipeline_model_parallel_size > 1 else None,
+        use_cpu_initialization=use_cpu_initialization,
+        params_dtype=torch.float32,
+        enable_autocast=autocast_dtype is not None,
+        autocast_dtype=autocast_dtype,
+    )
+
+
+def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = None,
+                pipeline_model_parallel_size: int | None = None, precision: str = "fp32",
+                pre_process: bool | None = None, post_process: bool | None = None,
+                layer_spec: str = "auto"):
+    """Build megatron-core's ``GPTModel`` (this rank's part of it) for ``cfg``.
+
+    ``parallel_state.initialize_model_parallel`` and the RNG tracker
+    (``tensor_parallel.model_parallel_cuda_manual_seed``; on CPU after
+    ``helpers.support.cpu_compat.apply()``) must be set up first, as in Megatron-LM's pretrain_gpt.py.
+
+    Args:
+        cfg: the model shape.
+        tensor_model_parallel_size, pipeline_model_parallel_size: default: what
+            ``parallel_state`` was initialised with.
+        precision: see :func:`transformer_config`.
+        pre_process, post_process: this rank holds the embedding / the output layer;
+            default: first / last pipeline stage.
+        layer_spec: ``"local"`` (megatron-core's torch modules, with ``cfg.core_attention``
+            as the attention kernel), ``"te"`` (Transformer Engine) or ``"auto"`` (TE when
+            importable).
+
+    Returns:
+        ``megatron.core.models.gpt.GPTModel``; ``model(tokens [b, s] int64, position_ids [b, s],
+        attention_mask=None, labels=[b, s])`` returns the per-token loss ``[b, s]`` fp32
+        (logits ``[b, s, V_pad / TP]`` without labels).
+
+    Raises:
+        RuntimeError: model parallelism is not initialised.
+        ValueError: see :func:`transformer_config`; ``layer_spec="te"`` without TE.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_model needs megatron-core model parallelism initialised: call "
+            "helpers.learn.distributed.initialize_distributed(...) (or parallel_state.initialize_model_parallel) first"
+        )
+    tp = tensor_model_parallel_size or parallel_state.get_tensor_model_parallel_world_size()
+    pp = pipeline_model_parallel_size or parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(cfg, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                precision=precision)
+    use_te = {"auto": transformer_engine_available(), "local": False, "te": True}.get(layer_spec)
+    if use_te is None:
+        raise ValueError(f"layer_spec={layer_spec!r}: choose 'auto', 'local' or 'te'")
+    if use_te and not transformer_engine_available():
+        raise ValueError("layer_spec='te' but Transformer Engine is not importable; use 'local'")
+    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
+    if not use_te and cfg.core_attention == "sdpa":
+        from helpers.learn.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.padded_vocab_size(tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    model.layer_spec_name = "te" if use_te else "local"
+    return model

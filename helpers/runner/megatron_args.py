@@ -1,0 +1,309 @@
+"""Megatron-LM's command line for a run of the series, and the guide's 2022 command beside it.
+
+A run's :class:`helpers.learn.training_config.TrainingConfig` becomes the flags of Megatron-LM's
+``pretrain_gpt.py`` (:func:`arguments`, :func:`command`); the series runs them with its own
+copy of that script, :mod:`helpers.learn.pretrain_gpt`, and the same flags run Megatron-LM's script
+in the NGC container. :func:`flag_table` sets every flag beside the flag Hugging Face's guide
+used in 2022 and the series' parameter it comes from (notebook 03, section 6).
+
+Sources: the guide's ``pretrain_gpt.py`` command (``GPT_ARGS``, 2022); Megatron-LM
+``megatron/training/arguments.py`` and ``argument_utils.py`` (``core_v0.19.0``, the flags'
+names and defaults today); ``examples/gpt3/train_gpt3_175b_distributed.sh``
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from helpers.learn.training_config import TrainingConfig, resolve_precision
+
+#: The training script, run as a module of this repository (Megatron-LM: ``pretrain_gpt.py``).
+SCRIPT = ("-m", "helpers.learn.pretrain_gpt")
+#: The environment Megatron-LM's example scripts export: with TP > 1 before Blackwell GPUs,
+#: ``validate_args`` asks for one CUDA connection so communication kernels run in issue order.
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+#: The guide's training command (2022), flag by flag, with its values for CodeParrot small.
+GUIDE_2022: dict[str, str | None] = {
+    "--num-layers": "12", "--hidden-size": "768", "--num-attention-heads": "12", "--seq-length": "1024",
+    "--max-position-embeddings": "1024", "--micro-batch-size": "12", "--global-batch-size": "192",
+    "--lr": "0.0005", "--train-iters": "150000", "--lr-decay-iters": "150000", "--lr-decay-style": "cosine",
+    "--lr-warmup-iters": "2000", "--weight-decay": ".1", "--adam-beta2": ".999", "--fp16": None,
+    "--log-interval": "10", "--save-interval": "2000", "--eval-interval": "200", "--eval-iters": "10",
+    "--tensorboard-dir": "experiments/tensorboard", "--tensor-model-parallel-size": "1",
+    "--pipeline-model-parallel-size": "1", "--vocab-file": "vocab.json", "--merge-file": "merges.txt",
+    "--save": "experiments/codeparrot-small", "--load": "experiments/codeparrot-small",
+    "--data-path": "codeparrot_content_document",
+}
+
+
+#: Why a flag of the guide has no row in a run's command.
+REMOVED_WHY = {"--fp16": "precision: fp32 on a CPU; --bf16 on GPUs that have it in hardware (Ampere and later)"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag of the command: how its value comes from the run, and what it was in 2022.
+
+    Attributes:
+        flag: today's flag (``--norm-epsilon``).
+        value: the flag's value for a config (``None``: a switch that is present; a function
+            returning ``False`` leaves the flag out).
+        source: the series' parameter it comes from (``model.num_layers``), or why it is there.
+        guide: the guide's 2022 flag it replaces (``--vocab-file``), or ``None`` when new.
+    """
+
+    flag: str
+    value: Callable[[TrainingConfig], Any]
+    source: str
+    guide: str | None = None
+
+
+def _model(name: str) -> Callable[[TrainingConfig], Any]:
+    return lambda cfg: getattr(cfg.model, name)
+
+
+def _cfg(name: str) -> Callable[[TrainingConfig], Any]:
+    return lambda cfg: getattr(cfg, name)
+
+
+def _switch(test: Callable[[TrainingConfig], bool]) -> Callable[[TrainingConfig], Any]:
+    return lambda cfg: None if test(cfg) else False
+
+
+#: The flags of a run, in the guide's order, then what the guide left to defaults, then what is new.
+FLAGS: tuple[Flag, ...] = (
+    Flag("--num-layers", _model("num_layers"), "model.num_layers", "--num-layers"),
+    Flag("--hidden-size", _model("hidden_size"), "model.hidden_size", "--hidden-size"),
+    Flag("--num-attention-heads", _model("num_attention_heads"), "model.num_attention_heads", "--num-attention-heads"),
+    Flag("--ffn-hidden-size", _model("ffn_size"), "model.ffn_hidden_size (default 4 x hidden)"),
+    Flag("--seq-length", _model("seq_length"), "model.seq_length", "--seq-length"),
+    Flag("--max-position-embeddings", _model("max_position_embeddings"), "model.max_position_embeddings",
+         "--max-position-embeddings"),
+    Flag("--micro-batch-size", _cfg("micro_batch_size"), "micro_batch_size", "--micro-batch-size"),
+    Flag("--global-batch-size", _cfg("global_batch_size"), "global_batch_size", "--global-batch-size"),
+    Flag("--lr", _cfg("lr"), "lr", "--lr"),
+    Flag("--train-iters", _cfg("train_iters"), "train_iters", "--train-iters"),
+    Flag("--lr-decay-iters", lambda cfg: cfg.decay_iters, "lr_decay_iters (default train_iters)", "--lr-decay-iters"),
+    Flag("--lr-decay-style", _cfg("lr_decay_style"), "lr_decay_style (default now linear)", "--lr-decay-style"),
+    Flag("--lr-warmup-iters", _cfg("lr_warmup_iters"), "lr_warmup_iters", "--lr-warmup-iters"),
+    Flag("--weight-decay", _cfg("weight_decay"), "weight_decay (default 0.01)", "--weight-decay"),
+    Flag("--adam-beta2", _cfg("adam_beta2"), "adam_beta2", "--adam-beta2"),
+    Flag("--bf16", _switch(lambda cfg: resolve_precision(cfg.precision) == "bf16"), "precision (bf16)", "--fp16"),
+    Flag("--fp16", _switch(lambda cfg: resolve_precision(cfg.precision) == "fp16"), "precision (fp16)", "--fp16"),
+    Flag("--log-interval", _cfg("log_interval"), "log_interval", "--log-interval"),
+    Flag("--save-interval", lambda cfg: cfg.save_interval or cfg.train_iters, "save_interval (default: at the end)",
+         "--save-interval"),
+    Flag("--eval-interval", _cfg("eval_interval"), "eval_interval", "--eval-interval"),
+    Flag("--eval-iters", _cfg("eval_iters"), "eval_iters", "--eval-iters"),
+    Flag("--tensorboard-dir", lambda cfg: cfg.tensorboard_path, "tensorboard_dir (RUN/tensorboard)", "--tensorboard-dir"),
+    Flag("--tensor-model-parallel-size", _cfg("tensor_model_parallel_size"), "tensor_model_parallel_size",
+         "--tensor-model-parallel-size"),
+    Flag("--pipeline-model-parallel-size", _cfg("pipeline_model_parallel_size"), "pipeline_model_parallel_size",
+         "--pipeline-model-parallel-size"),
+    Flag("--tokenizer-type", lambda cfg: "HuggingFaceTokenizer", "the tokenizer notebook 01 trained", "--vocab-file"),
+    Flag("--tokenizer-model", lambda cfg: cfg.tokenizer_path, "tokenizer_dir (RUN/data/tokenizer)", "--merge-file"),
+    Flag("--save", lambda cfg: cfg.checkpoint_path, "checkpoint_dir (RUN/checkpoints)", "--save"),
+    Flag("--load", lambda cfg: cfg.checkpoint_path, "checkpoint_dir: resume from the latest checkpoint", "--load"),
+    Flag("--data-path", lambda cfg: cfg.data_prefix_path, "data_prefix (RUN/data/codeparrot_content_document)",
+         "--data-path"),
+    # the guide's defaults, given explicitly
+    Flag("--split", _cfg("split"), "split (default was 969,30,1; now none, with a warning)"),
+    Flag("--min-lr", _cfg("min_lr"), "min_lr"),
+    Flag("--adam-beta1", _cfg("adam_beta1"), "adam_beta1"),
+    Flag("--adam-eps", _cfg("adam_eps"), "adam_eps"),
+    Flag("--clip-grad", _cfg("clip_grad"), "clip_grad"),
+    Flag("--seed", _cfg("seed"), "seed"),
+    Flag("--init-method-std", _model("init_method_std"), "model.init_method_std"),
+    Flag("--hidden-dropout", _model("hidden_dropout"), "model.hidden_dropout (default 0.1)"),
+    Flag("--attention-dropout", _model("attention_dropout"), "model.attention_dropout (default 0.1)"),
+    Flag("--norm-epsilon", _model("layernorm_epsilon"), "model.layernorm_epsilon (was --layernorm-epsilon)"),
+    Flag("--make-vocab-size-divisible-by", _model("make_vocab_size_divisible_by"), "model.make_vocab_size_divisible_by"),
+    Flag("--untie-embeddings-and-output-weights", _switch(lambda cfg: not cfg.model.share_embeddings_and_output_weights),
+         "model.share_embeddings_and_output_weights=False"),
+    Flag("--no-bias-gelu-fusion", _switch(lambda cfg: not cfg.model.bias_activation_fusion),
+         "model.bias_activation_fusion=False: the exact (erf) GELU; the fused kernel computes the tanh one"),
+    Flag("--no-bias-dropout-fusion", _switch(lambda cfg: not cfg.model.bias_dropout_fusion),
+         "model.bias_dropout_fusion=False"),
+    Flag("--no-masked-softmax-fusion", _switch(lambda cfg: not cfg.model.masked_softmax_fusion),
+         "model.masked_softmax_fusion=False"),
+    Flag("--override-opt_param-scheduler", _switch(lambda cfg: cfg.override_opt_param_scheduler),
+         "override_opt_param_scheduler"),
+    Flag("--use-checkpoint-opt_param-scheduler", _switch(lambda cfg: cfg.use_checkpoint_opt_param_scheduler),
+         "use_checkpoint_opt_param_scheduler"),
+    Flag("--exit-interval", lambda cfg: cfg.exit_interval if cfg.exit_interval else False, "exit_interval"),
+    Flag("--pretrained-checkpoint", lambda cfg: cfg.pretrained_checkpoint or False,
+         "pretrained_checkpoint: the weights to start from when --load holds no checkpoint"),
+    # new: what a run today asks for
+    Flag("--data-cache-path", lambda cfg: cfg.run_path / "data" / "cache", "the GPTDataset index cache (notebook 02)"),
+    Flag("--exit-signal-handler", lambda cfg: None, "SIGTERM: save a checkpoint, then exit"),
+    Flag("--log-timers-to-tensorboard", lambda cfg: None, "time per iteration into TensorBoard"),
+    Flag("--log-validation-ppl-to-tensorboard", lambda cfg: None, "validation perplexity into TensorBoard"),
+)
+
+#: What a machine without CUDA adds: gloo instead of NCCL, megatron-core's own (torch) layers
+#: instead of Transformer Engine's, weights made on the CPU, and no CUDA-only fusions.
+CPU_FLAGS: tuple[tuple[str, str | None, str], ...] = (
+    ("--distributed-backend", "gloo", "NCCL needs GPUs"),
+    ("--transformer-impl", "local", "Transformer Engine needs GPUs"),
+    ("--use-cpu-initialization", None, "weights made on the CPU (a GPU run initialises on the GPU)"),
+    ("--no-gradient-accumulation-fusion", None, "the fused weight-gradient kernel is Apex's or TE's (CUDA)"),
+    ("--no-persist-layer-norm", None, "the persistent LayerNorm kernel is Apex's (CUDA)"),
+    ("--num-workers", "0", "no DataLoader worker processes: 2 would compete with training for 2 cores"),
+)
+
+
+def _text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def arguments(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[str]:
+    """Megatron-LM's flags for ``cfg``, in the order of :data:`FLAGS`, then :data:`CPU_FLAGS`.
+
+    Args:
+        cfg: the run.
+        cpu: add :data:`CPU_FLAGS`; default: when torch sees no CUDA device. ``False`` writes
+            the GPU command (Transformer Engine and Apex as in the NGC container; megatron-core's
+            local layers with ``cfg.layer_spec="local"``).
+
+    Returns:
+        ``["--num-layers", "4", ...]``: argv for ``pretrain_gpt.py``.
+
+    Raises:
+        ValueError: a precision this machine cannot run (see ``resolve_precision``).
+    """
+    import torch
+
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    out: list[str] = []
+    for f in FLAGS:
+        value = f.value(cfg)
+        if value is False:
+            continue
+        out += [f.flag] if value is None else [f.flag, _text(value)]
+    if cpu:
+        for flag, value, _ in CPU_FLAGS:
+            out += [flag] if value is None else [flag, value]
+    elif cfg.layer_spec == "local":
+        out += ["--transformer-impl", "local"]
+    return out
+
+
+def command(cfg: TrainingConfig, *, nproc_per_node: int = 1, cpu: bool | None = None) -> list[str]:
+    """``torchrun --nproc-per-node N -m helpers.learn.pretrain_gpt <flags>`` for ``cfg`` (run it with :data:`ENV`).
+
+    Megatron-LM's own script takes the same flags: replace ``-m helpers.learn.pretrain_gpt`` by ``pretrain_gpt.py``.
+    """
+    return ["torchrun", f"--nproc-per-node={nproc_per_node}", *SCRIPT, *arguments(cfg, cpu=cpu)]
+
+
+def shell_command(cfg: TrainingConfig, *, nproc_per_node: int = 1, cpu: bool | None = None,
+                  script: str | None = None) -> str:
+    """:func:`command` as a shell line a learner can paste, one flag per line, with :data:`ENV` in front.
+
+    Args:
+        script: what to run instead of ``-m helpers.learn.pretrain_gpt`` (``"pretrain_gpt.py"`` in a
+            Megatron-LM checkout).
+    """
+    words = command(cfg, nproc_per_node=nproc_per_node, cpu=cpu)
+    head = words[:2] + ([script] if script else list(SCRIPT))
+    flags, lines = words[2 + len(SCRIPT):], []
+    for word in flags:
+        if word.startswith("--"):
+            lines.append(word)
+        else:
+            lines[-1] += " " + shlex.quote(word)
+    env = " ".join(f"{k}={v}" for k, v in ENV.items())
+    return f"{env} {' '.join(head)} \\\n    " + " \\\n    ".join(lines)
+
+
+def flag_table(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[dict[str, str]]:
+    """Every flag of :func:`arguments` beside the guide's 2022 flag and the series' parameter.
+
+    Returns:
+        One row per flag: ``{"today", "value", "the guide (2022)", "change", "from the series"}``;
+        ``change`` is ``same``, ``renamed``, ``replaced``, ``new`` or ``CPU only``. The guide's flags
+        that have no row today are added at the end as ``removed``.
+    """
+    import torch
+
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    rows, used = [], set()
+    for f in FLAGS:
+        value = f.value(cfg)
+        if value is False:
+            continue
+        if f.guide == f.flag:
+            change, guide = "same", f"{f.guide} {GUIDE_2022.get(f.guide) or ''}".strip()
+        elif f.guide:
+            change, guide = "replaced", f"{f.guide} {GUIDE_2022.get(f.guide) or ''}".strip()
+        else:
+            change, guide = "new", ""
+        if f.guide:
+            used.add(f.guide)
+        rows.append({"today": f.flag, "value": "" if value is None else _text(value), "the guide (2022)": guide,
+                     "change": change, "from the series": f.source})
+    if cpu:
+        for flag, value, why in CPU_FLAGS:
+            rows.append({"today": flag, "value": value or "", "the guide (2022)": "", "change": "CPU only",
+                         "from the series": why})
+    for flag in GUIDE_2022:
+        if flag not in used or (flag == "--fp16" and not any(r["today"] in ("--fp16", "--bf16") for r in rows)):
+            rows.append({"today": "", "value": "", "the guide (2022)": flag, "change": "not used",
+                         "from the series": REMOVED_WHY.get(flag, "")})
+    return rows
+
+
+def optimizer_name() -> str:
+    """The Adam Megatron-LM steps on this machine (``megatron/core/optimizer/__init__.py``, lines 13-35):
+    Transformer Engine's FusedAdam, else Apex's, else torch's AdamW; on a CPU, torch's fused
+    AdamW (the ``fused_adamw`` shim of :mod:`helpers.support.cpu_compat`)."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch.optim.AdamW(fused=True)"
+    for module, name in (("transformer_engine", "transformer_engine.pytorch.optimizers.FusedAdam"),
+                         ("apex", "apex.optimizers.FusedAdam")):
+        if importlib.util.find_spec(module) is not None:
+            return name
+    return "torch.optim.AdamW"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m helpers.runner.megatron_args [RUN_DIR] [--gpu] [--script pretrain_gpt.py] [--nproc N]``: print the
+    command of a run (its ``run.json``, written by ``helpers.runner.launch.train``).
+
+    Returns:
+        0, or 2 when the folder holds no ``run.json`` (the message says which notebook writes it).
+    """
+    import argparse
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m helpers.runner.megatron_args",
+                                     description="print Megatron-LM's command line for a run folder")
+    parser.add_argument("run_dir", nargs="?", default="runs/latest", help="a run folder (default runs/latest)")
+    parser.add_argument("--gpu", action="store_true", help="the GPU command (no CPU-only flags)")
+    parser.add_argument("--script", default=None, help="instead of -m helpers.learn.pretrain_gpt, e.g. pretrain_gpt.py")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (--nproc-per-node)")
+    args = parser.parse_args(argv)
+    config = Path(args.run_dir) / "run.json"
+    if not config.is_file():
+        print(f"error: {config} not found: notebook 03 (helpers.runner.launch.train) writes it", file=sys.stderr)
+        return 2
+    import shutil
+
+    cfg = TrainingConfig.from_json(config)
+    if shutil.which("torchrun") is None:  # the command names torchrun, which lives in the project's environment
+        print(f"# torchrun is not on PATH: activate the environment first (source {Path(sys.executable).parent}/activate)")
+    print(shell_command(cfg, nproc_per_node=args.nproc, cpu=False if args.gpu else None, script=args.script))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
