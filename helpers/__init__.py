@@ -10,8 +10,9 @@
 * ``helpers.support``, **what the others stand on**: megatron-core's CPU shims, the warning
   filters, the run folder's guards, results files, the environment's detection.
 
-Each folder imports only the folders listed after it here, support nothing
-(``tests/test_house.py``): the learner's package never needs the runner or a demonstration.
+What each folder may import (``tests/test_house.py`` checks it): ``support`` nothing of the
+others; ``learn`` only ``support``; ``runner`` ``learn`` and ``support``; ``demos`` all three.
+So the learner's package never needs the runner or a demonstration.
 Import modules explicitly, e.g. ``from helpers.learn import corpus``. Nothing here imports
 megatron-core or torch at package import time, so ``import helpers`` is instant.
 

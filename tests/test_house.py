@@ -15,7 +15,7 @@ ROLES = {"support": set(), "learn": {"support"}, "runner": {"learn", "support"},
 
 
 def modules() -> dict[str, Path]:
-    """``{"training": path, "demos.roofline": path, ...}`` for every module under helpers/."""
+    """``{"learn.training_config": path, "demos.roofline": path, ...}`` for every module under helpers/."""
     out = {}
     for path in HELPERS.rglob("*.py"):
         name = ".".join(path.relative_to(HELPERS).with_suffix("").parts)

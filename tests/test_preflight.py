@@ -4,6 +4,7 @@ run that repeats its data too often (notebook 03, launch.train and the series ru
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def test_values_no_run_can_have_are_refused_by_the_preflight(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     with pytest.raises(ValueError, match="nproc_per_node=2 but this machine has 1 GPU"):
-        preflight.preflight(replace(cfg, precision="fp32"), nproc=2)
+        preflight.preflight(replace(cfg, precision="fp32", global_batch_size=8), nproc=2)
 
 
 def test_peak_flops_prefers_the_longest_name_and_refuses_a_bad_override():
@@ -182,3 +183,72 @@ def test_the_runner_checks_again_once_notebook_01_has_made_the_data(run_with_dat
     with pytest.raises(series.ParameterError, match="epochs .* more than max_epochs=16"):
         series.run("codeparrot-small", run_dir=tmp_path / "fresh", only=["01", "03"])
     assert ran == ["01_data_preprocessing"]  # notebook 03 never started
+
+
+def configuration_path(cfg, run) -> list[tuple[str, str]]:
+    """The helpers functions ``run()`` calls with ``cfg`` or ``cfg.model`` (as an argument or as
+    ``self``), from another module, in call order: ``[(module, function), ...]``; private
+    functions and property reads are not stops."""
+    path: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        name, module = frame.f_code.co_name, frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+        if (event != "call" or not module.startswith("helpers.") or module == caller or name.startswith("_")
+                or isinstance(getattr(type(cfg), name, None) or getattr(type(cfg.model), name, None), property)):
+            return
+        if any(v is cfg or v is cfg.model for v in frame.f_locals.values()):
+            path.append((module.rsplit(".", 1)[1], name))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return path
+
+
+def climbs_back_up(path: list[tuple[str, str]]) -> list[str]:
+    """The stops of ``path`` that re-enter a module the configuration already went through and
+    that sits higher in the import graph than the stop before (``tests/test_house.py``'s graph):
+    a check that calls back into a caller's module instead of finishing in one pass."""
+    from test_house import import_graph
+
+    graph = {m.rsplit(".", 1)[-1]: {d.rsplit(".", 1)[-1] for d in deps} for m, deps in import_graph().items()}
+    floors: dict[str, int] = {}
+
+    def floor(m: str) -> int:
+        if m not in floors:
+            floors[m] = 1 + max((floor(d) for d in graph.get(m, ())), default=-1)
+        return floors[m]
+
+    seen, out = set(), []
+    for (before, _), (module, name) in zip(path, path[1:]):
+        if module in seen and floor(module) > floor(before):
+            out.append(f"{before} -> {module}.{name}")
+        seen |= {before, module}
+    return out
+
+
+def test_a_runs_configuration_goes_from_the_runner_to_the_trainer_in_one_pass(run_with_data, monkeypatch):
+    """Every check of a run happens in preflight.check_run, once; following the configuration from
+    launch.train to the torchrun call climbs back up into a module it left at most twice."""
+    cfg = training_config.profile("cpu", str(run_with_data / "one-pass"), model={"vocab_size": 512}, train_iters=10,
+                                  lr_warmup_iters=1, split="90,8,2", data_prefix=str(preprocess.data_paths(run_with_data).data_prefix),
+                                  tokenizer_dir=str(run_with_data / "data" / "tokenizer"))
+
+    class Launched(Exception):
+        pass
+
+    def torchrun(*args, **kwargs):
+        raise Launched
+
+    monkeypatch.setattr(launch, "torchrun", torchrun)
+    path = configuration_path(cfg, lambda: pytest.raises(Launched, launch.train, cfg, progress=False))
+    modules = [m for m, _ in path]
+    assert modules[:4] == ["launch", "preflight", "training_config", "model"] and path[-3:] == [("megatron_args", "arguments"), ("training_config", "to_json"), ("model", "to_dict")], path
+    checks = [f"{m}.{f}" for m, f in path if f.startswith("check")]
+    assert checks.count("training_config.check") == 1 and "preflight.check_run" in checks, checks
+    assert len(climbs_back_up(path)) <= 2, (climbs_back_up(path), path)
+    assert climbs_back_up([("launch", "train"), ("training_config", "check"), ("model", "check_layout"),
+                           ("training_config", "check")]) == ["model -> training_config.check"]

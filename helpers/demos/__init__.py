@@ -4,13 +4,14 @@ The learner's package (``helpers.learn``) is what the notebooks teach; these mod
 notebook section uses to *show* something about it, and nothing in the learner's package imports
 them. Each module's docstring names the notebook and section it serves:
 
-* 01-02: ``preprocessing`` (the steps of the data stage timed), ``dataset_indices`` (megatron-core's
+* 01-02: ``preprocessing`` (the steps of the data stage timed), ``dataset_indices`` (01 §5, 02 §3-8: megatron-core's
   document, sample and shuffle indices drawn).
 * 03-04: ``core_loop`` (notebook 03's loop, call by call, for 04's timers, the tests and
-  ``bench.training``), ``generation`` (greedy samples), ``timing``, ``roofline``, ``fused_ops``,
+  ``bench.training``), ``generation`` (03 §9, 06 §9: greedy samples), ``timing``, ``roofline``, ``fused_ops``,
   ``model_fusions``, ``adamw`` (04's measurements of fused kernels and fused AdamW).
 * 05: ``rank_groups``, ``launch_plans``, ``layout_runs``, ``shards``, ``memory``, ``pipeline_schedule``
   (tensor, pipeline and data parallelism: the groups, the runs, the shards, the memory, the schedule).
 * 06-07: ``conversion_proofs``, ``conversion_way_back``, ``tensor_parallel_run``,
-  ``megatron_lm_layout`` (the conversion proven exact), ``evaluation_curve`` (07's curve).
+  ``megatron_lm_layout`` (the conversion proven exact; ``conversion_proofs.validation_loss`` also
+  in 07 §2), ``evaluation_curve`` (07's curve).
 """

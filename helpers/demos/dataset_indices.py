@@ -1,7 +1,7 @@
 """Notebook 02's look inside megatron-core's ``GPTDataset``: its index numbers, the documents
 each sample reads, the loop the indices replace, and the figures.
 
-Serves notebook 02 sections 3-6 (document lengths, the three indices, cache reuse, the naive
+Serves notebook 02 sections 3-8 and 01 section 5 (document lengths, the three indices, cache reuse, the naive
 epoch loop). The dataset itself is built by :mod:`helpers.learn.dataloader`; nothing on the
 learner's path imports this module.
 

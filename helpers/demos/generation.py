@@ -1,6 +1,6 @@
 """Greedy decoding on both sides: megatron-core's ``GPTModel`` and transformers' ``GPT2LMHeadModel``.
 
-Notebook 03 section 10 samples text from the trained checkpoint with :func:`greedy_generate`;
+Notebook 03 section 9 samples text from the trained checkpoint with :func:`greedy_generate`;
 notebook 06 section 9 shows it gives the same tokens as transformers' ``generate(do_sample=False)``
 (:func:`greedy_generate_hf`). megatron-core itself has no ``generate``.
 """

@@ -63,6 +63,11 @@ def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
     check_layout(model, Layout(t, p, 1))
     if not 0 <= pipeline_rank < p:
         raise ValueError(f"pipeline_rank={pipeline_rank} must be in [0, {p})")
+    return _parameters_per_rank(model, t, p, pipeline_rank)
+
+
+def _parameters_per_rank(model: ModelConfig, t: int, p: int, pipeline_rank: int) -> int:
+    """:func:`parameters_per_rank` of a layout already checked."""
     h, f = model.hidden_size, model.ffn_size
     v = model.padded_vocab_size(t)
     per_layer = 4 * h + (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + h * f // t + h
@@ -195,7 +200,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
     estimates = []
     for r in range(p) if stage is None else [stage]:
-        n = parameters_per_rank(model, t, p, r)
+        n = _parameters_per_rank(model, t, p, r)
         in_flight = min(p - r, num_microbatches)
         act = layer * (model.num_layers // p) * in_flight
         if r == 0:

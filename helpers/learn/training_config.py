@@ -196,9 +196,12 @@ class TrainingConfig:
             )
         return world_size // mp
 
-    def check(self, world_size: int = 1, *, files: bool = True) -> None:
+    def check(self, world_size: int = 1, *, files: bool = True) -> int:
         """Validate the config for ``world_size`` processes before anything starts
         (``files=False``: the values only, not the data and tokenizer files).
+
+        Returns:
+            The data-parallel size: ``world_size`` / (TP x PP).
 
         Raises:
             TypeError: a field of another type than declared (``train_iters=2.5``,
@@ -253,7 +256,7 @@ class TrainingConfig:
             raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         resolve_precision(self.precision)
         if not files:
-            return
+            return dp
         prefix = self.data_prefix_path
         missing = [str(prefix) + ext for ext in (".bin", ".idx") if not Path(str(prefix) + ext).exists()]
         if missing:
@@ -277,6 +280,7 @@ class TrainingConfig:
                 f"{tok_size} entries: set model vocab_size={tok_size} (Megatron pads it to "
                 f"{self.model.padded_vocab_size(self.tensor_model_parallel_size)} rows itself)"
             )
+        return dp
 
 
 #: Training profiles. ``cpu``: notebook 03's defaults, about 3 minutes on 2 cores. ``gpu``: the

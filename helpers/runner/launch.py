@@ -450,7 +450,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     ``cfg.checkpoint_path`` itself (``--load``).
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
-    The config, and an existing checkpoint's model shape, are checked here first, so bad
+    Every check runs first, in one pass (:func:`helpers.runner.preflight.check_run`), so bad
     input fails before any process starts.
 
     Args:
@@ -483,28 +483,14 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
 
     from helpers.learn import checkpointing
     from helpers.runner import megatron_args, metrics, preflight
-    from helpers.learn.training_config import TrainingConfig, check_same_run
 
-    cfg.check(nproc_per_node)
-    for folder in dict.fromkeys([cfg.run_path, cfg.checkpoint_path]):
-        run_guard.check_writable(folder)  # a read-only folder: refused before anything is written
-    run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
-    latest = checkpointing.latest_iteration(cfg.checkpoint_path)
-    summary_path = cfg.summary_file
-    if latest is not None:
-        saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
-        checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
-    if latest is not None and latest >= cfg.train_iters and summary_path.exists():
-        if (cfg.run_path / config_name).exists():  # a cached result must be this config's
-            check_same_run(cfg, TrainingConfig.from_json(cfg.run_path / config_name).to_dict())  # paths rebased if moved
-        return TrainingResult(json.loads(summary_path.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
-    if latest is not None:  # about to resume from it: every shard whole (Megatron-LM would say only "EOFError")
-        checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))
-    plan = preflight.preflight(cfg, nproc=nproc_per_node)
-    preflight.check_repeats(plan, max_epochs)
-    preflight.check_disk(plan, cfg.checkpoint_path)  # the checkpoints to come fit on the disk
+    plan = preflight.check_run(cfg, nproc=nproc_per_node, max_epochs=max_epochs, config_name=config_name)
+    if plan is None:  # this run, finished: its results
+        return TrainingResult(json.loads(cfg.summary_file.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
+    latest = plan.start_iteration or None
     config_path = cfg.run_path / config_name
     previous = config_path.read_text() if config_path.exists() else None  # put back if the launch trains nothing
+    command = [*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)]  # Megatron-LM's flags for cfg
     cfg.to_json(config_path)
     log_path = cfg.run_path / "training.log"
     if latest is None and log_path.exists():  # a fresh start: the log of an earlier, deleted run goes
@@ -524,7 +510,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
 
     started = time.time()
     try:
-        res = torchrun([*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)], nproc_per_node=nproc_per_node,
+        res = torchrun(command, nproc_per_node=nproc_per_node,
                        timeout_s=timeout_s, master_port=master_port, on_line=on_line, log_path=log_path,
                        env={**megatron_args.ENV, **(env or {})}, log_dir=cfg.run_path / "torchrun_logs")
     except LaunchError as err:
@@ -541,5 +527,5 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
             bar.close()
     records = metrics.from_megatron_lm(cfg, log_path.read_text(errors="replace"))
     summary = metrics.summary(cfg, records, nproc_per_node=nproc_per_node, optimizer=megatron_args.optimizer_name())
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    cfg.summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     return TrainingResult(summary, records, res.wall_seconds, False, res.lines)

@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from helpers.learn import checkpointing, preprocess
 from helpers.learn import model as model_lib
-from helpers.learn import preprocess
+from helpers.learn.memory import checkpoint_bytes, memory_per_gpu
+from helpers.learn.training_config import TrainingConfig, check_same_run, num_microbatches, resolve_precision
+from helpers.support import run_guard
 from helpers.support.run_guard import check_free_space, free_bytes, human_bytes
 
 #: Default limit on epochs over the training split (Muennighoff et al. 2023: past about 16
@@ -98,7 +101,8 @@ class Preflight:
     ``tokens_per_epoch``, ``epochs``: None when the data is not made yet. ``memory_per_gpu_bytes``:
     weights, gradients, optimizer state and activations of the largest stage (no allocator or
     communication buffers). ``checkpoint_bytes``: one save (:func:`helpers.learn.memory.checkpoint_bytes`);
-    ``checkpoint_saves``: the saves still to come (Megatron-LM keeps them all); ``free_bytes``: free
+    ``checkpoint_saves``: the saves still to come (Megatron-LM keeps them all) from
+    ``start_iteration``, the checkpoint it resumes from (0: a fresh start); ``free_bytes``: free
     space on the checkpoint folder's disk now. ``flops_per_s``: the stated rate behind ``estimated_seconds``
     (None for a GPU missing from :data:`PEAK_BF16_FLOPS`), described by ``rate_source``.
     """
@@ -112,6 +116,7 @@ class Preflight:
     memory_per_gpu_bytes: float
     checkpoint_bytes: int
     checkpoint_saves: int
+    start_iteration: int
     free_bytes: int
     flops_per_token: int
     flops_per_s: float | None
@@ -158,20 +163,21 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
         TypeError, ValueError: values :meth:`TrainingConfig.check` refuses (without its file
             checks); on this machine's GPUs, more processes than GPUs; an unreadable ``.idx``.
     """
-    import torch
+    dp = cfg.check(world_size=nproc, files=False)
+    return _plan(cfg, nproc, dp, checkpointing.latest_iteration(cfg.checkpoint_path) or 0, tokens_per_epoch, device, threads)
 
-    from helpers.learn.megatron_lm import latest_iteration
-    from helpers.learn.memory import checkpoint_bytes, memory_per_gpu
-    from helpers.learn.training_config import num_microbatches, resolve_precision
+
+def _plan(cfg, nproc: int, dp: int, start: int, tokens_per_epoch: int | None = None, device: str | None = None,
+          threads: int | None = None) -> Preflight:
+    """:func:`preflight` of a config already checked (``dp``: its data-parallel size), resuming from iteration ``start``."""
+    import torch
 
     if device is None:
         device = f"cuda:{torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
         if torch.cuda.is_available() and nproc > torch.cuda.device_count():
             raise ValueError(f"nproc_per_node={nproc} but this machine has {torch.cuda.device_count()} GPU(s): "
                              "use at most one process per GPU")
-    cfg.check(world_size=nproc, files=False)
     precision = resolve_precision(cfg.precision)
-    dp = cfg.data_parallel_size(nproc)
     layout = model_lib.Layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, dp)
     memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
                             num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp))
@@ -191,11 +197,50 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
         source = f"stated: {STATED_CPU_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s per CPU thread x {threads}"
     return Preflight(device=device, precision=precision, tokens_per_iteration=per_iteration, train_tokens=total,
                      tokens_per_epoch=tokens_per_epoch, epochs=total / tokens_per_epoch if tokens_per_epoch else None,
-                     memory_per_gpu_bytes=memory.total,
-                     checkpoint_bytes=checkpoint_bytes(cfg.model, precision, nproc),
-                     checkpoint_saves=checkpoint_saves(cfg, latest_iteration(cfg.checkpoint_path) or 0),
+                     memory_per_gpu_bytes=memory.total, checkpoint_bytes=checkpoint_bytes(cfg.model, precision, nproc),
+                     checkpoint_saves=checkpoint_saves(cfg, start), start_iteration=start,
                      free_bytes=free_bytes(cfg.checkpoint_path), flops_per_token=fpt, flops_per_s=rate, rate_source=source,
                      estimated_seconds=total * fpt / rate if rate else None)
+
+
+def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_name: str = "run.json") -> Preflight | None:
+    """Every check of one training run, in one pass, before anything starts (what :func:`helpers.runner.launch.train` runs).
+
+    In order: the configuration's values and files (:meth:`TrainingConfig.check`), the run and
+    checkpoint folders (writable, no other job training them), the checkpoint to resume from
+    (the same model shape, every shard whole), then the plan (:func:`preflight`): the epochs
+    over the training data and the disk the checkpoints to come need.
+
+    Returns:
+        The :class:`Preflight` of the run, or ``None`` when the checkpoint folder already holds this
+        run, finished (``train_iters`` reached and its summary written: nothing to train).
+
+    Raises:
+        TypeError / ValueError / FileNotFoundError: the configuration (:meth:`TrainingConfig.check`).
+        helpers.support.run_guard.RunFolderNotWritableError, RunFolderBusyError: the folders.
+        helpers.learn.checkpointing.CheckpointMismatchError: the checkpoint holds another model shape.
+        helpers.learn.checkpointing.CheckpointReadError: the checkpoint to resume from has a missing or short shard.
+        ValueError: the folder holds a finished run trained with other settings.
+        RepeatedDataError: more than ``max_epochs`` epochs (:func:`check_repeats`).
+        helpers.support.run_guard.DiskFullError: the checkpoints to come need more space than the disk has free.
+    """
+    dp = cfg.check(nproc)
+    for folder in dict.fromkeys([cfg.run_path, cfg.checkpoint_path]):
+        run_guard.check_writable(folder)  # a read-only folder: refused before anything is written
+    run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
+    latest = checkpointing.latest_iteration(cfg.checkpoint_path)
+    if latest is not None:
+        saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
+        checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
+        if latest >= cfg.train_iters and cfg.summary_file.exists():
+            if (cfg.run_path / config_name).exists():  # a finished run's results must be this config's
+                check_same_run(cfg, TrainingConfig.from_json(cfg.run_path / config_name).to_dict())
+            return None
+        checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))  # Megatron-LM would say only "EOFError"
+    plan = _plan(cfg, nproc, dp, latest or 0)
+    check_repeats(plan, max_epochs)
+    check_disk(plan, cfg.checkpoint_path)
+    return plan
 
 
 def checkpoint_saves(cfg, start: int = 0) -> int:

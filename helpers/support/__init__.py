@@ -6,6 +6,6 @@
 * ``run_guard``: a job stops with its launcher, one job per run folder, a read-only or too-full
   folder refused with the fix.
 * ``results``: a run's ``summary.json``, its figures and the one table formatter.
-* ``environment`` (00 §2-5): what this machine has (Apex, Transformer Engine, CUDA, gloo) and the
+* ``environment`` (00 §2, §4, §5): what this machine has (Apex, Transformer Engine, CUDA, gloo) and the
   NGC container command.
 """
