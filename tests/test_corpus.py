@@ -9,7 +9,7 @@ import string
 
 import pytest
 
-from helpers.learn import corpus, preprocess
+from helpers.learn import corpus
 from helpers.runner import data_stage
 
 GOOD = "import os\n\n\ndef main(argv):\n    return len(argv) + 1\n"
@@ -358,7 +358,7 @@ def test_more_filtering_counts_add_up_and_are_deterministic(tmp_path):
 def test_build_data_records_the_new_filters_in_the_manifest(tmp_path):
     paths = data_stage.build_data(tmp_path / "run", max_files=60, vocab_size=1024, more_filtering=True,
                                   stop_after="corpus", progress=False)
-    info = preprocess.data_manifest(tmp_path / "run")["corpus"]
+    info = data_stage.data_manifest(tmp_path / "run")["corpus"]
     assert paths.settings["more_filtering"] is True and set(info["removed"]) == set(corpus.FILTERS)
     assert sum(info["removed"].values()) + info["num_documents"] == info["num_read"] == 60
     assert {k: len(v) for k, v in info["removed_files"].items()} == info["removed"]
@@ -369,7 +369,7 @@ def test_build_data_records_the_new_filters_in_the_manifest(tmp_path):
     assert set(info["char_token_ratio"]) == later and info["char_token_ratio_kept"]["min"] >= corpus.MIN_CHAR_TOKEN_RATIO
     with pytest.raises(ValueError, match=r"made with more_filtering=True, not False"):
         data_stage.build_data(tmp_path / "run", more_filtering=False, stop_after="corpus", progress=False)
-    manifest_path = tmp_path / "run" / "data" / preprocess.MANIFEST_NAME   # a folder made before the setting existed
+    manifest_path = tmp_path / "run" / "data" / data_stage.MANIFEST_NAME   # a folder made before the setting existed
     old = json.loads(manifest_path.read_text())
     del old["settings"]["more_filtering"]
     manifest_path.write_text(json.dumps(old))

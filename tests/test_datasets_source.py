@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers.learn import corpus, hub_datasets, preprocess
+from helpers.learn import corpus, hub_datasets
 from helpers.runner import data_stage
 
 datasets = pytest.importorskip("datasets")
@@ -58,7 +58,7 @@ def _expected_removed(rows):
 def test_a_local_dataset_goes_through_the_filters_and_build_data_to_the_loose_json(tmp_path):
     data = _jsonl(tmp_path / "rows.jsonl", [text for text, _ in ROWS])
     paths = data_stage.build_data(tmp_path / "run", source=f"hf:json:{data}", stop_after="corpus", progress=False)
-    info = preprocess.data_manifest(tmp_path / "run")["corpus"]
+    info = data_stage.data_manifest(tmp_path / "run")["corpus"]
     assert info["source"] == paths.settings["source"] == f"hf:json:{data.resolve()}"
     assert paths.settings["hf_split"] == "train" and info["num_read"] == len(ROWS) == 9
     assert info["removed"] == _expected_removed(ROWS) and info["num_documents"] == 4
@@ -164,7 +164,7 @@ def test_offline_mode_stops_at_once_and_leaves_what_was_made_alone(tmp_path, mon
     hub = "hf:codeparrot/codeparrot-clean-train"
     data = _jsonl(tmp_path / "rows.jsonl", [text for text, _ in ROWS])
     made = data_stage.build_data(tmp_path / "run", source=f"hf:json:{data}", stop_after="corpus", progress=False)
-    manifest = made.jsonl.parent / preprocess.MANIFEST_NAME                 # as if the corpus had come from the Hub
+    manifest = made.jsonl.parent / data_stage.MANIFEST_NAME                 # as if the corpus had come from the Hub
     manifest.write_text(manifest.read_text().replace(f"hf:json:{data.resolve()}", hub))
     reused = data_stage.build_data(tmp_path / "run", source=hub, stop_after="corpus", progress=False)
     assert reused.built == [] and reused.num_documents == 4                 # made data is reused offline
@@ -178,7 +178,7 @@ def test_offline_mode_stops_at_once_and_leaves_what_was_made_alone(tmp_path, mon
         assert time.monotonic() - started < 5, "the offline check must answer before any retry"
         assert all(spelling in str(err.value) for spelling in ("'hf:json:", "'hf:/path/to/folder'", ".jsonl' a JSON Lines"))
     assert {p.name: p.read_bytes() for p in made.jsonl.parent.iterdir()} == before
-    assert not (tmp_path / "new" / "data" / preprocess.MANIFEST_NAME).exists()
+    assert not (tmp_path / "new" / "data" / data_stage.MANIFEST_NAME).exists()
 
 
 def test_an_unreachable_hub_fails_within_the_timeout(monkeypatch):

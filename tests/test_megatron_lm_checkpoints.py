@@ -28,6 +28,7 @@ from test_conversion import VOCAB, randomized_model, tokenizer_dir, tokens, weig
 from transformers import AutoModelForCausalLM
 
 from helpers.learn import conversion, megatron_lm
+from helpers.support import safe_load
 from helpers.learn import model as model_lib
 from helpers.demos import conversion_proofs as proofs
 from helpers.demos import generation
@@ -234,7 +235,7 @@ def test_weights_only_refuses_other_objects_and_false_reads_them(tmp_path, token
     assert torch.equal(ckpt.state_dict[WE][:VOCAB], weights(model)[WE][:VOCAB])
     with old_megatron_enums() as old:  # a module no longer installed: stand-ins with weights_only=False too
         torch.save({"args": argparse.Namespace(model_type=old.encoder_or_decoder)}, tmp_path / "old.pt")
-    loaded = megatron_lm.load_pickle(tmp_path / "old.pt", weights_only=False)
+    loaded = safe_load.load_pickle(tmp_path / "old.pt", weights_only=False)
     assert loaded["args"].model_type.qualified_name == "megatron.model.enums.ModelType"
     assert argparse.Namespace in torch.serialization.get_safe_globals(), "megatron.core's registration was removed"
 

@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.runner import launch, preflight, series
+from helpers.runner import data_stage, launch, preflight, series
 from helpers.learn import memory, model, preprocess, training_config
 
 
 @pytest.fixture(scope="module")
 def run_with_data(tmp_path_factory):
     """A run folder whose data/ notebook 01's stage made: 60 stdlib files, BPE of 512."""
-    from helpers.runner import data_stage
 
     run = tmp_path_factory.mktemp("preflight-run")
     data_stage.build_data(run, max_files=60, vocab_size=512, split="90,8,2", progress=False)
@@ -26,7 +25,7 @@ def run_with_data(tmp_path_factory):
 
 
 def test_tokens_per_epoch_are_the_training_documents_of_the_idx(run_with_data):
-    paths = preprocess.data_paths(run_with_data)
+    paths = data_stage.data_paths(run_with_data)
     ds = preprocess.open_indexed_dataset(paths.data_prefix)
     lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
     first, end = preprocess.split_document_ranges(paths.num_documents, "90,8,2")[0]
@@ -50,7 +49,7 @@ def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
     cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512}, train_iters=50, lr_warmup_iters=5,
                                   split="90,8,2")  # the split training reads with: the data's own, as notebook 03 passes it
     plan = preflight.preflight(cfg, nproc=1, device="cpu", threads=2)
-    paths = preprocess.data_paths(run_with_data)
+    paths = data_stage.data_paths(run_with_data)
     per_epoch = preflight.train_tokens_per_epoch(paths.data_prefix, paths.split)
     assert plan.tokens_per_iteration == 4 * 128 and plan.train_tokens == 50 * 4 * 128
     assert plan.tokens_per_epoch == per_epoch and plan.epochs == pytest.approx(50 * 512 / per_epoch)
@@ -116,7 +115,7 @@ def test_peak_flops_prefers_the_longest_name_and_refuses_a_bad_override():
 
 def test_a_data_prefix_given_explicitly_is_read_too(run_with_data, tmp_path):
     """launch.train's check must not depend on where the data lives (it passed a 56,000-epoch run)."""
-    paths = preprocess.data_paths(run_with_data)
+    paths = data_stage.data_paths(run_with_data)
     cfg = training_config.profile("codeparrot-small", str(tmp_path / "elsewhere"), model={"vocab_size": 512},
                                   data_prefix=str(paths.data_prefix), tokenizer_dir=str(paths.tokenizer_dir),
                                   split=paths.split, precision="fp32")
@@ -234,7 +233,7 @@ def test_a_runs_configuration_goes_from_the_runner_to_the_trainer_in_one_pass(ru
     """Every check of a run happens in preflight.check_run, once; following the configuration from
     launch.train to the torchrun call climbs back up into a module it left at most twice."""
     cfg = training_config.profile("cpu", str(run_with_data / "one-pass"), model={"vocab_size": 512}, train_iters=10,
-                                  lr_warmup_iters=1, split="90,8,2", data_prefix=str(preprocess.data_paths(run_with_data).data_prefix),
+                                  lr_warmup_iters=1, split="90,8,2", data_prefix=str(data_stage.data_paths(run_with_data).data_prefix),
                                   tokenizer_dir=str(run_with_data / "data" / "tokenizer"))
 
     class Launched(Exception):

@@ -157,7 +157,7 @@ def test_build_data_is_idempotent_and_protects_existing_data(tmp_path):
     assert paths.jsonl == run / "data" / "codeparrot_data.json" and paths.vocab_size == 400
     lines = paths.jsonl.read_text().splitlines()
     assert paths.num_documents == len(lines) >= 25
-    manifest = preprocess.data_manifest(run)
+    manifest = data_stage.data_manifest(run)
     assert manifest["tokenizer"]["train_documents"] == [0, round(0.8 * paths.num_documents)]
     assert sum(manifest["corpus"]["removed"].values()) == 30 - paths.num_documents
     before = _mtimes(run)
@@ -203,9 +203,9 @@ def test_build_corpus_dataset_uses_the_run_tokenizer(tmp_path):
 def test_data_paths_reads_back_what_build_data_made_and_names_the_command_when_missing(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(FileNotFoundError, match=r"python -m helpers.runner.series run --only 01"):
-        preprocess.data_paths(run)
+        data_stage.data_paths(run)
     made = data_stage.build_data(run, max_files=20, vocab_size=300, split="8,1,1", progress=False)
-    read = preprocess.data_paths(run)
+    read = data_stage.data_paths(run)
     assert (read.data_prefix, read.tokenizer_dir, read.jsonl) == (made.data_prefix, made.tokenizer_dir, made.jsonl)
     assert (read.num_documents, read.vocab_size, read.split) == (made.num_documents, made.vocab_size, "8,1,1")
     assert read.built == []
@@ -215,9 +215,9 @@ def test_a_damaged_manifest_is_a_clear_error(tmp_path):
     data = tmp_path / "run" / "data"
     data.mkdir(parents=True)
     for text in ('{"settings": {"split"', "[1, 2]"):
-        (data / preprocess.MANIFEST_NAME).write_text(text)
+        (data / data_stage.MANIFEST_NAME).write_text(text)
         with pytest.raises(ValueError, match=r"is not a data manifest .*rerun notebook 01"):
-            preprocess.data_paths(tmp_path / "run")
-    (data / preprocess.MANIFEST_NAME).write_text('{"settings": {"split": "8,1,1"}}')  # the corpus step only
+            data_stage.data_paths(tmp_path / "run")
+    (data / data_stage.MANIFEST_NAME).write_text('{"settings": {"split": "8,1,1"}}')  # the corpus step only
     with pytest.raises(FileNotFoundError, match="notebook 01 makes them"):
-        preprocess.data_paths(tmp_path / "run")
+        data_stage.data_paths(tmp_path / "run")

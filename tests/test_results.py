@@ -57,7 +57,7 @@ def test_atomic_writes_are_readable_by_others(tmp_path):
     latest_checkpointed_iteration.txt were unreadable to anyone but their writer."""
     import stat
 
-    from helpers.learn import corpus, preprocess
+    from helpers.learn import corpus
     from helpers.runner import data_stage
 
     old = os.umask(0o022)
@@ -68,7 +68,7 @@ def test_atomic_writes_are_readable_by_others(tmp_path):
         results.write_atomic(tmp_path / "t.txt", "1")
     finally:
         os.umask(old)
-    for name in (results.SUMMARY_FILE, "c.json", preprocess.MANIFEST_NAME, "t.txt"):
+    for name in (results.SUMMARY_FILE, "c.json", data_stage.MANIFEST_NAME, "t.txt"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
 
 

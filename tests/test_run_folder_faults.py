@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers.learn import dataloader, preprocess, tokenizer, training_config
+from helpers.runner import data_stage
 from test_training import TINY_MODEL, data, tiny_config  # noqa: F401  (data is a fixture)
 
 pytestmark = pytest.mark.trains
@@ -72,7 +73,7 @@ def test_a_tokenizer_folder_missing_merges_names_the_file_and_how_to_rebuild(dat
     run = tmp_path / "run"
     shutil.copytree(data.data_prefix.parent, run / "data")
     (run / "data" / "tokenizer" / "merges.txt").unlink()
-    for read_it in (lambda: preprocess.data_paths(run), lambda: tokenizer.load_tokenizer(run / "data" / "tokenizer"),
+    for read_it in (lambda: data_stage.data_paths(run), lambda: tokenizer.load_tokenizer(run / "data" / "tokenizer"),
                     lambda: dataloader.MegatronTokenizerAdapter(run / "data" / "tokenizer"),
                     lambda: training_config.profile("cpu", str(run), model=dict(TINY_MODEL), split="90,8,2").check()):
         with pytest.raises(FileNotFoundError, match=r"tokenizer folder .*/tokenizer lacks merges.txt.*Rebuild it: delete "

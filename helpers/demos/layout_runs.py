@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from helpers.demos.launch_plans import launch_plan
+from helpers.runner import preflight
 from helpers.runner.launch import _ITERATION
 from helpers.learn.model import Layout, ModelConfig, check_layout
-from helpers.learn.training_config import training_differences
 
 #: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
 _NOTEBOOK = "05_parallelism"
@@ -241,7 +241,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     cfg.check(layout.world_size)
     config_path, result_path = folder / "run.json", folder / "layout_run.json"
     # what the run trains must match; paths and logging need not (a copied or moved run folder keeps its runs)
-    if config_path.exists() and training_differences(cfg, json.loads(config_path.read_text()),
+    if config_path.exists() and preflight.training_differences(cfg, json.loads(config_path.read_text()),
                                                      also_ignore=frozenset({"pretrained_checkpoint"})):
         raise ValueError(
             f"{folder} holds a run of another config ({config_path}). Nothing was launched or changed: use another "

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from helpers.learn import corpus as corpus_mod
 from helpers.learn import tokenizer as tokenizer_mod
-from helpers.learn.preprocess import DATA_DIR, DataPaths, data_paths, open_indexed_dataset, tokenize_to_indexed_dataset
+from helpers.learn.preprocess import open_indexed_dataset, tokenize_to_indexed_dataset
+from helpers.runner.data_stage import DATA_DIR, DataPaths, data_paths
 
 def decode_document(dataset, index: int, tokenizer_dir: str | os.PathLike, *, strip_eod: bool = True,
                     tokenizer=None) -> str:

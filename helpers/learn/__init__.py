@@ -10,7 +10,7 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
 * ``tokenizer`` (01 §3): the byte-level BPE tokenizer; ``encoders`` (01 §7): its two engines
   for the whole corpus.
 * ``preprocess`` (01 §4, §7; read back in 02, 03 and 07): ``.bin/.idx`` with megatron-core's
-  ``IndexedDatasetBuilder``, and where a run folder keeps them.
+  ``IndexedDatasetBuilder``, the split of its documents, and a damaged pair named.
 * ``dataloader`` (02; 01 §2, 06 §13, 07 §2): ``GPTDatasetConfig`` and ``BlendedMegatronDatasetBuilder``.
 * ``model`` (03 §3, 05): ``TransformerConfig`` and ``GPTModel``; ``attention`` (04 §9): core
   attention; ``memory`` (05 §5): bytes per GPU, the series' calculator.
@@ -19,7 +19,8 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
 * ``training_config`` (03 §1-2, 04, 05, 07): what one run is; ``pretrain_gpt`` (03 §6, 05 §4): Megatron-LM's
   ``pretrain_gpt.py``, its own training loop.
 * ``checkpointing`` (03 §8, 05 §8, 06, 07): ``dist_checkpointing`` checkpoints; ``megatron_lm``
-  (03 §8, 06 §10): reading checkpoints Megatron-LM wrote itself (torch_dist and legacy).
+  (03 §8, 06 §10): reading checkpoints Megatron-LM wrote itself (torch_dist and legacy; the files
+  are unpickled by ``helpers.support.safe_load``).
 * ``conversion`` (06): megatron-core <-> transformers GPT-2, one weight map both ways.
 * ``evaluation`` (07): bits per byte against gzip, sampling, syntax validity, pass@k.
 """

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from helpers.support import results
+from helpers.support import results, safe_load
 from helpers.learn.megatron_lm import TRACKER_FILE, iteration_dir, iteration_of, latest_iteration  # noqa: F401 (Megatron's layout)
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -101,7 +101,7 @@ def check_readable(folder: str | os.PathLike) -> None:
     fix = (f"delete {folder.name} and its line in {TRACKER_FILE} (training resumes from the checkpoint before it, "
            "or from scratch), or copy the folder again")
     try:
-        storage = megatron_lm._dcp_reader(folder, True).read_metadata().storage_data
+        storage = safe_load.dcp_reader(folder, True).read_metadata().storage_data
     except (OSError, megatron_lm.ConversionError) as err:
         raise CheckpointReadError(f"could not read the checkpoint {folder}: {err}. Fix: {fix}") from None
     needed: dict[str, int] = {}

@@ -60,9 +60,9 @@ from typing import Any, Mapping
 import torch
 
 from helpers.learn import checkpointing, megatron_lm
-from helpers.support import results
+from helpers.support import results, safe_load
 from helpers.support.environment import package_version
-from helpers.learn.megatron_lm import ConversionError  # defined there, the lower module; raised by both
+from helpers.support.safe_load import ConversionError  # the error of every reader below the converter
 from helpers.learn.model import GELU_HF_NAME, ModelConfig
 
 #: Tokenizer files copied into the transformers folder (what ``AutoTokenizer`` reads offline).
@@ -544,7 +544,7 @@ def load_megatron_checkpoint(source: str | os.PathLike, *,
             to the checkpoint (written by ``helpers.learn.checkpointing.save_model``), else Megatron-LM's args.
         iteration: with a checkpoints folder, this iteration instead of the latest.
         weights_only: unpickle only tensors and plain data (``torch.load(weights_only=True)``;
-            ``helpers.learn.megatron_lm.load_pickle`` for Megatron-LM's files, which allows their
+            ``helpers.support.safe_load.load_pickle`` for Megatron-LM's files, which allows their
             ``argparse.Namespace``). False runs any code the file names: only for files you trust.
 
     Returns:
@@ -564,7 +564,7 @@ def load_megatron_checkpoint(source: str | os.PathLike, *,
         if fmt == "torch_dist":
             raw, non_model = checkpointing.read_model_tensors(path)
         else:
-            raw, non_model = megatron_lm.load_pickle(path, weights_only=weights_only), []
+            raw, non_model = safe_load.load_pickle(path, weights_only=weights_only), []
             if not isinstance(raw, Mapping):
                 raise ConversionError(f"{path} holds a {type(raw).__name__}, not a state dict")
             raw = raw["model"] if isinstance(raw.get("model"), Mapping) else raw

@@ -43,17 +43,8 @@ megatron-core's fused bias-GELU is the tanh approximation; ``openai_gelu``: tanh
 ``megatron/legacy/model/transformer.py`` ``ParallelMLP``, ignored by megatron-core), and the
 features GPT-2 lacks, which :func:`metadata_from_args` refuses by name.
 
-Unpickling: ``args`` is an ``argparse.Namespace``, which ``torch.load(weights_only=True)`` refuses
-unless allowed. :func:`load_pickle` allows :data:`HARMLESS_GLOBALS` and reads classes of
-Megatron-LM's own modules (enums such as the old ``megatron.model.enums.ModelType``, whose module
-no longer exists) as inert stand-ins; anything else is refused with its names. ``weights_only=False``
-unpickles everything, which runs whatever code the file names: only for files you trust. In a
-torch_dist folder, torch reads ``.metadata`` with plain ``pickle``
-(``torch/distributed/checkpoint/filesystem.py`` ``FileSystemReader.read_metadata``); here it is
-read with :class:`_RestrictedMetadataUnpickler` (only ``torch.distributed.checkpoint``'s own
-classes, ``torch.Size``, dtypes) unless ``weights_only=False``. This is what was checked with
-crafted files; it is a restriction of what unpickling may call, not a proof that a hostile file
-is harmless (a file that crashes the reader is still possible): prefer checkpoints you trust.
+The files are read without running code from them (Megatron-LM pickles an ``argparse.Namespace``):
+:mod:`helpers.support.safe_load` says how.
 
 Sources: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``,
 ``find_checkpoint_rank_0``, ``read_metadata``, ``save_checkpoint``, ``generate_state_dict``,
@@ -70,17 +61,15 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import pathlib
-import pickle
 import re
-import signal
-import types
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from helpers.learn.model import ModelConfig
+from helpers.support import safe_load
+from helpers.support.safe_load import ConversionError  # noqa: F401 (raised here; helpers.learn.conversion re-exports it)
 
 #: Megatron-LM's marker of the last complete save (``megatron/training/checkpointing.py``).
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -118,9 +107,6 @@ def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
 
 MODEL_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
-#: Megatron-LM's ``ModelType`` & co. live in ``megatron.*``; these others are data, not code, to unpickle.
-HARMLESS_GLOBALS: tuple[Any, ...] = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, pathlib.WindowsPath,
-                                     signal.Signals, io.BytesIO, torch._C.Generator)
 #: Top-level entries of a Megatron-LM state dict that describe the checkpoint, not training state.
 _DESCRIPTIVE = ("model", "args", "checkpoint_version", "iteration")
 #: GPTModel's weights in a torch_dist checkpoint (``mtp.*`` & co. are refused through the args).
@@ -145,101 +131,7 @@ _TP_DIM = ((re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qk
                        r"linear_fc1\.(weight|bias))$"), 0), (re.compile(r"(linear_proj|linear_fc2)\.weight$"), 1))
 
 
-class ConversionError(ValueError):
-    """The input cannot be converted exactly; the message says why and what to do.
-
-    Defined here, the lowest module that raises it; ``helpers.learn.conversion.ConversionError`` is this class.
-    """
-
-
 # =========================================================================== unpickling
-class _StandIn:
-    """What a class of Megatron-LM's own modules unpickles to: its arguments and state, no behaviour."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<stand-in for {self.qualified_name}{self.args!r}>"
-
-
-def _stand_in(qualified_name: str) -> type:
-    return type(qualified_name.rsplit(".", 1)[-1], (_StandIn,), {"qualified_name": qualified_name})
-
-
-class _Unpickler(pickle.Unpickler):
-    """Plain unpickling, with stand-ins for classes of Megatron-LM modules that are not installed."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            if module.split(".")[0] != "megatron":
-                raise
-            return _stand_in(f"{module}.{name}")
-
-
-_PICKLE_WITH_STAND_INS = types.ModuleType("pickle_with_stand_ins")
-_PICKLE_WITH_STAND_INS.Unpickler, _PICKLE_WITH_STAND_INS.load = _Unpickler, lambda f, **kw: _Unpickler(f, **kw).load()
-
-
-def _numpy_globals() -> list[Any]:
-    import numpy as np
-
-    core = getattr(np, "_core", None) or np.core
-    dtypes = {type(np.dtype(t)) for t in ("u4", "i8", "f4", "f8", "u1", "bool")}
-    return [np.ndarray, np.dtype, (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-            (core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"), *dtypes]
-
-
-def load_pickle(file: str | os.PathLike | io.BytesIO, *, weights_only: bool = True) -> Any:
-    """``torch.load`` of a Megatron-LM file (``model_optim_rng.pt``, ``common.pt``, the common state), on the CPU.
-
-    With ``weights_only=True`` torch's restricted unpickler reads tensors, containers, numbers,
-    strings, ``torch.dtype`` and, allowed here, :data:`HARMLESS_GLOBALS` and NumPy arrays (the
-    saved RNG states); classes of ``megatron.*`` modules become inert stand-ins (their enum values
-    are never needed to convert). ``weights_only=False`` is plain unpickling (stand-ins only for
-    Megatron-LM modules that are not installed).
-
-    Raises:
-        ConversionError: ``weights_only=True`` and the file names other classes or functions
-            (listed: unpickling them runs code, so pass ``weights_only=False`` only if you trust
-            the file), or the file is not a torch file.
-    """
-    data = io.BytesIO(file.getvalue()) if isinstance(file, io.BytesIO) else None
-    where = "the common state" if data is not None else str(file)
-    if not weights_only:
-        try:
-            return torch.load(data or file, map_location="cpu", weights_only=False, pickle_module=_PICKLE_WITH_STAND_INS)
-        except Exception as err:  # unpickling raises anything the file's objects raise
-            raise ConversionError(f"{where} could not be unpickled ({type(err).__name__}: {err})") from err
-    allowed = [*HARMLESS_GLOBALS, *_numpy_globals()]
-    try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(data or file)
-    except Exception:  # not a zip-format torch file: torch.load below says what it is
-        needed = []
-    allowed_names = {f"{g.__module__}.{g.__qualname__}" for g in allowed if not isinstance(g, tuple)}
-    allowed_names |= {g[1] for g in allowed if isinstance(g, tuple)}
-    refused = [n for n in needed if n not in allowed_names and n.split(".")[0] != "megatron"]
-    if refused:
-        raise ConversionError(
-            f"{where} names {refused}, which torch.load(weights_only=True) does not unpickle: unpickling them runs "
-            "code from the file. Only if you trust the file, pass weights_only=False (command line: --no-weights-only).")
-    stand_ins = [(_stand_in(n), n) for n in needed if n.split(".")[0] == "megatron"]
-    if data is not None:
-        data.seek(0)
-    present = torch.serialization.get_safe_globals()  # the context removes what it added: keep others' (megatron.core's)
-    try:
-        with torch.serialization.safe_globals([g for g in allowed + stand_ins if g not in present]):
-            return torch.load(data or file, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch's unpickling errors have no common public type
-        raise ConversionError(f"{where} could not be read with weights_only=True ({type(err).__name__}: "
-                              f"{str(err)[:300]}); only if you trust the file, pass weights_only=False") from err
-
-
 # =========================================================================== finding the checkpoint
 def _tracker_target(folder: Path, iteration: int | None) -> tuple[Path, int | None] | None:
     """The folder ``latest_checkpointed_iteration.txt`` names (an integer or ``release``, Megatron-LM ``read_metadata``)."""
@@ -297,73 +189,6 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
 
 
 # =========================================================================== the architecture
-#: What a torch_dist ``.metadata`` pickle may name (torch 2.14's ``torch.distributed.checkpoint``
-#: dataclasses and enums, ``torch.Size``, dtypes, layouts); :class:`_RestrictedMetadataUnpickler`.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner")
-
-
-class _Refused(pickle.UnpicklingError):
-    """A name :class:`_RestrictedMetadataUnpickler` does not unpickle."""
-
-
-class _RestrictedMetadataUnpickler(pickle.Unpickler):
-    """Unpickles a torch_dist ``.metadata`` naming only :data:`_DCP_MODULES` classes and plain torch
-    values; torch's ``FileSystemReader.read_metadata`` uses plain ``pickle.load``, which runs any code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        plain = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
-        if module in _DCP_MODULES or (module, name) in plain or module == "torch":
-            found = super().find_class(module, name)
-            if (module in _DCP_MODULES and isinstance(found, type)) or (module, name) in plain or isinstance(found, torch.dtype):
-                return found
-        raise _Refused(f"{module}.{name}")
-
-
-def _dcp_reader(folder: Path, weights_only: bool):
-    """``torch.distributed.checkpoint.FileSystemReader`` whose ``.metadata`` is read with
-    :class:`_RestrictedMetadataUnpickler` when ``weights_only`` (plain ``pickle`` otherwise)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class _Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            if not weights_only:
-                return super().read_metadata(*args, **kwargs)
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                try:
-                    metadata = _RestrictedMetadataUnpickler(f).load()
-                except _Refused as err:
-                    raise ConversionError(
-                        f"{folder}/.metadata names {err}, which a torch_dist checkpoint's metadata does not need: "
-                        "unpickling it could run code from the file. Only if you trust the folder, pass "
-                        "weights_only=False (command line: --no-weights-only).") from None
-                except Exception as err:  # truncated or not a pickle
-                    raise ConversionError(f"{folder}/.metadata cannot be read ({type(err).__name__}: {err}): "
-                                          "the checkpoint is damaged or not a torch_dist folder") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _Reader(str(folder))
-
-
-def _dcp_load(request: dict, folder: Path, weights_only: bool, **kwargs: Any) -> None:
-    """``torch.distributed.checkpoint.load`` of ``request`` from ``folder``; a damaged folder is a
-    :class:`ConversionError` (torch's ``CheckpointException`` is a ``BaseException``)."""
-    from torch.distributed.checkpoint import load
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reader = _dcp_reader(folder, weights_only)
-    reader.read_metadata()  # its refusal or damage as a ConversionError (inside load, torch would wrap it)
-    try:
-        load(request, storage_reader=reader, no_dist=True, **kwargs)
-    except (Exception, CheckpointException) as err:
-        raise ConversionError(f"{folder} cannot be read ({type(err).__name__}: {str(err)[:300]}): the checkpoint is "
-                              "damaged (a save interrupted?) or not a torch_dist folder") from None
-
-
 def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_model: bool = False) -> dict[str, Any]:
     """``ModelConfig.to_metadata()`` of the GPT that Megatron-LM's ``args`` describe, refusing what GPT-2 cannot hold.
 
@@ -558,7 +383,7 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
     if path.is_dir() and [f.parent.name for f in files] != expected:
         raise ConversionError(f"{path} holds {[f.parent.name for f in files]}, not {expected}: a tensor-parallel rank "
                               "is missing; copy every mp_rank_XX folder of the iteration")
-    first = load_pickle(files[0], weights_only=weights_only)
+    first = safe_load.load_pickle(files[0], weights_only=weights_only)
     if not isinstance(first, Mapping) or not isinstance(first.get("model"), Mapping) or meta is None and "args" not in first:
         found = list(first)[:8] if isinstance(first, Mapping) else type(first).__name__
         raise ConversionError(f"no model_config.json next to {files[0]} and it is no Megatron-LM checkpoint "
@@ -571,7 +396,7 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
                               f"were found: copy every mp_rank_XX folder of the iteration")
     old = any(str(k).startswith("language_model") for k in first["model"])  # the old model (nested or flat names)
     meta = meta if meta is not None else metadata_from_args(args, old_model=old)  # refuses before the other ranks are read
-    shards = [megatron_core_names((first if i == 0 else load_pickle(f, weights_only=weights_only))["model"], version,
+    shards = [megatron_core_names((first if i == 0 else safe_load.load_pickle(f, weights_only=weights_only))["model"], version,
                                   int(meta["num_attention_heads"]) // tp) for i, f in enumerate(files)]
     non_model = sorted(k for k in first if k not in _DESCRIPTIVE)
     return merge_tensor_parallel(shards, str(path)), meta, first.get("iteration"), non_model, version
@@ -590,7 +415,7 @@ def read_common_state(folder: str | os.PathLike, *, weights_only: bool = True) -
     """
     folder = Path(folder)
     if (folder / COMMON_FILE).is_file():
-        return load_pickle(folder / COMMON_FILE, weights_only=weights_only)
+        return safe_load.load_pickle(folder / COMMON_FILE, weights_only=weights_only)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -600,8 +425,8 @@ def read_common_state(folder: str | os.PathLike, *, weights_only: bool = True) -
 
     key = ShardedObject("common_state", None, (1,), (0,)).unique_key
     request = {key: io.BytesIO()}
-    _dcp_load(request, folder, weights_only, planner=_BytesPlanner(flatten_state_dict=False))
-    loaded = load_pickle(request[key], weights_only=weights_only)
+    safe_load.dcp_load(request, folder, weights_only, planner=_BytesPlanner(flatten_state_dict=False))
+    loaded = safe_load.load_pickle(request[key], weights_only=weights_only)
     return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
 
 
@@ -620,10 +445,10 @@ def read_torch_dist_tensors(folder: str | os.PathLike, *, weights_only: bool = T
     from torch.distributed.checkpoint import TensorStorageMetadata
 
     folder = Path(folder)
-    stored = _dcp_reader(folder, weights_only).read_metadata().state_dict_metadata
+    stored = safe_load.dcp_reader(folder, weights_only).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in stored.items()
             if isinstance(m, TensorStorageMetadata) and k.startswith(_MODEL_KEY_PREFIXES)}
-    _dcp_load(want, folder, weights_only)
+    safe_load.dcp_load(want, folder, weights_only)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in want.items():
         if key.startswith("decoder.layers.") and not re.match(r"^decoder\.layers\.\d+\.", key):

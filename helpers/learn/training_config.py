@@ -357,32 +357,5 @@ def resolve_precision(precision: str) -> str:
     return precision
 
 
-#: Fields that do not change what a run trains (logging, saving, sampling, paths, resume flags).
 #: The fields that hold paths (rebased by :meth:`TrainingConfig.from_json` when a run folder moved).
 _PATH_FIELDS = ("data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path", "pretrained_checkpoint")
-
-RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
-                   "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
-                   "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
-
-
-def training_differences(cfg: TrainingConfig, saved: dict[str, Any], also_ignore: frozenset[str] = frozenset()) -> list[str]:
-    """``"field: saved -> cfg"`` for every field outside :data:`RUN_ONLY_FIELDS` (and ``also_ignore``)
-    in which ``cfg`` would train differently from a saved ``run.json`` (``saved``)."""
-    ignored = RUN_ONLY_FIELDS | also_ignore
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items() if k not in ignored and saved.get(k) != v]
-
-
-def check_same_run(cfg: TrainingConfig, saved: dict[str, Any]) -> None:
-    """Refuse to hand back a finished run's results (``saved``: its ``run.json``) for a config
-    that would train differently.
-
-    Raises:
-        ValueError: a field outside :data:`RUN_ONLY_FIELDS` differs; the message lists them and the fixes.
-    """
-    diffs = training_differences(cfg, saved)
-    if diffs:
-        raise ValueError(
-            f"{cfg.run_path} already holds a finished run (train_iters={saved.get('train_iters')}) trained with other "
-            f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
-            f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")

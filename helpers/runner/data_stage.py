@@ -3,7 +3,7 @@
 Plumbing around the three steps notebook 01 teaches (:func:`helpers.learn.corpus.collect_corpus`,
 :func:`helpers.learn.tokenizer.train_tokenizer`, :func:`helpers.learn.preprocess.tokenize_to_indexed_dataset`):
 each step runs only when its output is missing from ``{run_dir}/data``, and what it did is
-recorded in ``data/data_manifest.json``, which :func:`helpers.learn.preprocess.data_paths` reads back
+recorded in ``data/data_manifest.json``, which :func:`data_paths` reads back
 and ``helpers.runner.series.PRODUCES`` names as this stage's output.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import asdict
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,88 @@ from helpers.learn import hub_datasets
 from helpers.support import results, run_guard
 from helpers.learn import tokenizer as tokenizer_mod
 from helpers.learn.encoders import resolve_engine
-from helpers.learn.preprocess import (DATA_DIR, data_manifest, JSONL_NAME, MANIFEST_NAME, PREFIX_NAME, TOKENIZER_DIR, DataPaths,
-                                open_indexed_dataset, split_document_ranges, tokenize_to_indexed_dataset)
+from helpers.learn.preprocess import open_indexed_dataset, split_document_ranges, tokenize_to_indexed_dataset
+
+#: Names inside ``{run_dir}/data`` (the guide's names; see the run-folder layout in the README).
+DATA_DIR = "data"
+JSONL_NAME = "codeparrot_data.json"
+TOKENIZER_DIR = "tokenizer"
+PREFIX_NAME = "codeparrot_content_document"
+MANIFEST_NAME = "data_manifest.json"
+
+
+@dataclass
+class DataPaths:
+    """The data stage's outputs in a run folder.
+
+    Attributes:
+        jsonl: the cleaned loose JSON (``codeparrot_data.json``).
+        tokenizer_dir: the tokenizer folder (vocab.json, merges.txt, tokenizer.json, ...).
+        data_prefix: ``.bin/.idx`` path without extension (``.../codeparrot_content_document``).
+        num_documents: documents in the ``.bin/.idx`` (= lines of ``jsonl``).
+        vocab_size: tokenizer entries (not padded; Megatron pads to a multiple of 128 x TP).
+        split: the train/valid/test split the tokenizer was trained under; pass it on to
+            :func:`helpers.learn.dataloader.build_gpt_datasets`.
+        settings: everything the data was made with (``data_manifest.json``).
+        built: the steps this call ran (empty when everything was reused).
+    """
+
+    jsonl: Path
+    tokenizer_dir: Path
+    data_prefix: Path
+    num_documents: int
+    vocab_size: int
+    split: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+
+
+def _load_manifest(data_dir: Path) -> dict[str, Any] | None:
+    path = data_dir / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        manifest = err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        why = manifest if isinstance(manifest, Exception) else f"no 'settings' object in {type(manifest).__name__}"
+        raise ValueError(f"{path} is not a data manifest ({why}): delete {data_dir} and rerun notebook 01 "
+                         f"(python -m helpers.runner.series run --only 01 --run-dir {data_dir.parent})")
+    return manifest
+
+
+def data_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{run_dir}/data/data_manifest.json`` (settings, cleaning counts, preprocessing stats).
+
+    Raises:
+        FileNotFoundError: the data stage has not run in this folder (the message is the command).
+    """
+    manifest = _load_manifest(Path(run_dir).expanduser().resolve() / DATA_DIR)
+    if manifest is None:
+        raise FileNotFoundError(f"{run_dir}/data/{MANIFEST_NAME} not found: notebook 01 makes it "
+                                f"(python -m helpers.runner.series run --only 01 --run-dir {run_dir})")
+    return manifest
+
+
+def data_paths(run_dir: str | os.PathLike) -> DataPaths:
+    """What notebook 01 left in ``{run_dir}/data``, read back without building anything.
+
+    Raises:
+        FileNotFoundError: notebook 01 has not finished in this folder (the message is the command),
+            or its tokenizer folder lacks a file (:func:`helpers.learn.tokenizer.check_folder`).
+    """
+    manifest = data_manifest(run_dir)
+    data_dir = Path(run_dir).expanduser().resolve() / DATA_DIR
+    prefix = data_dir / PREFIX_NAME
+    if not {"preprocess", "tokenizer"} <= set(manifest) or not Path(f"{prefix}.idx").is_file():
+        raise FileNotFoundError(f"{prefix}.bin/.idx not found: notebook 01 makes them "
+                                f"(python -m helpers.runner.series run --only 01 --run-dir {run_dir})")
+    return DataPaths(jsonl=data_dir / JSONL_NAME, tokenizer_dir=tokenizer_mod.check_folder(data_dir / TOKENIZER_DIR), data_prefix=prefix,
+                     num_documents=manifest["preprocess"]["num_documents"],
+                     vocab_size=manifest["tokenizer"]["vocab_size"], split=manifest["settings"]["split"],
+                     settings=manifest["settings"])
+
 
 #: Defaults of :func:`build_data` when neither the caller nor an existing run folder says otherwise.
 DEFAULT_SETTINGS: dict[str, Any] = {

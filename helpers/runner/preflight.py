@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from helpers.learn import checkpointing, preprocess
+from helpers.runner import data_stage
 from helpers.learn import model as model_lib
 from helpers.learn.memory import checkpoint_bytes, memory_per_gpu
-from helpers.learn.training_config import TrainingConfig, check_same_run, num_microbatches, resolve_precision
+from helpers.learn.training_config import TrainingConfig, num_microbatches, resolve_precision
 from helpers.support import run_guard
 from helpers.support.run_guard import check_free_space, free_bytes, human_bytes
 
@@ -290,7 +291,7 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     if isinstance(iters, int) and isinstance(warmup, int):
         settings.setdefault("lr_decay_iters", max(iters, warmup + 1))  # as notebook 03 sets it
     try:  # notebook 03 trains on the data's own split
-        settings["split"] = preprocess.data_paths(run_dir).split
+        settings["split"] = data_stage.data_paths(run_dir).split
     except FileNotFoundError:
         pass
     cfg = training_config.profile(base, str(run_dir), model=model, **settings)
@@ -318,3 +319,31 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
 def summary(plan: Preflight) -> dict[str, Any]:
     """The plan as a JSON-ready dict (recorded in the run's results)."""
     return dataclasses.asdict(plan)
+
+
+#: TrainingConfig fields that do not change what a run trains (logging, saving, paths, resume flags).
+RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
+                   "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
+                   "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
+
+
+def training_differences(cfg, saved: dict[str, Any], also_ignore: frozenset[str] = frozenset()) -> list[str]:
+    """``"field: saved -> cfg"`` for every field outside :data:`RUN_ONLY_FIELDS` (and ``also_ignore``)
+    in which ``cfg`` would train differently from a saved ``run.json`` (``saved``)."""
+    ignored = RUN_ONLY_FIELDS | also_ignore
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items() if k not in ignored and saved.get(k) != v]
+
+
+def check_same_run(cfg, saved: dict[str, Any]) -> None:
+    """Refuse to hand back a finished run's results (``saved``: its ``run.json``) for a config
+    that would train differently.
+
+    Raises:
+        ValueError: a field outside :data:`RUN_ONLY_FIELDS` differs; the message lists them and the fixes.
+    """
+    diffs = training_differences(cfg, saved)
+    if diffs:
+        raise ValueError(
+            f"{cfg.run_path} already holds a finished run (train_iters={saved.get('train_iters')}) trained with other "
+            f"settings ({'; '.join(diffs)}); its results would be shown as this config's. Train into a new run "
+            f"folder (run_dir=...), or delete {cfg.checkpoint_path} to train again.")

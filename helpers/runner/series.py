@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from helpers.runner import report
+from helpers.runner import data_stage, report
 from helpers.support import results, run_guard
 from helpers.runner.parameters import (PROFILES, RUNNER_PARAMETERS, ParameterError, notebook_parameters,  # noqa: F401
                                 parse_override, resolve_parameters)  # (re-exported: the runner's API)
@@ -394,7 +394,7 @@ def _print_preflight(selected: list[Path], params: dict[str, dict[str, Any]], fo
         return None
     values = {n: ast.literal_eval(i["default"]) for n, i in notebook_parameters(path).items()} | params[path.stem]
     try:
-        vocab = preprocess.data_paths(folder).vocab_size
+        vocab = data_stage.data_paths(folder).vocab_size
     except FileNotFoundError:  # notebook 01 runs first: its vocab_size parameter
         first = next(p for p in notebooks() if p.stem == "01_data_preprocessing")
         vocab = params.get(first.stem, {}).get("vocab_size") or ast.literal_eval(notebook_parameters(first)["vocab_size"]["default"])
