@@ -3,6 +3,7 @@ run that repeats its data too often (notebook 03, launch.train and the series ru
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -186,8 +187,8 @@ def test_the_runner_checks_again_once_notebook_01_has_made_the_data(run_with_dat
 
 def configuration_path(cfg, run) -> list[tuple[str, str]]:
     """The helpers functions ``run()`` calls with ``cfg`` or ``cfg.model`` (as an argument or as
-    ``self``), from another module, in call order: ``[(module, function), ...]``; private
-    functions and property reads are not stops."""
+    ``self``), from another module, in call order: ``[(module below helpers, function), ...]``;
+    private functions and property reads are not stops."""
     path: list[tuple[str, str]] = []
 
     def profile(frame, event, arg):
@@ -197,7 +198,7 @@ def configuration_path(cfg, run) -> list[tuple[str, str]]:
                 or isinstance(getattr(type(cfg), name, None) or getattr(type(cfg.model), name, None), property)):
             return
         if any(v is cfg or v is cfg.model for v in frame.f_locals.values()):
-            path.append((module.rsplit(".", 1)[1], name))
+            path.append((module.removeprefix("helpers."), name))
 
     sys.setprofile(profile)
     try:
@@ -213,7 +214,7 @@ def climbs_back_up(path: list[tuple[str, str]]) -> list[str]:
     a check that calls back into a caller's module instead of finishing in one pass."""
     from test_house import import_graph
 
-    graph = {m.rsplit(".", 1)[-1]: {d.rsplit(".", 1)[-1] for d in deps} for m, deps in import_graph().items()}
+    graph = import_graph()
     floors: dict[str, int] = {}
 
     def floor(m: str) -> int:
@@ -244,10 +245,44 @@ def test_a_runs_configuration_goes_from_the_runner_to_the_trainer_in_one_pass(ru
 
     monkeypatch.setattr(launch, "torchrun", torchrun)
     path = configuration_path(cfg, lambda: pytest.raises(Launched, launch.train, cfg, progress=False))
-    modules = [m for m, _ in path]
-    assert modules[:4] == ["launch", "preflight", "training_config", "model"] and path[-3:] == [("megatron_args", "arguments"), ("training_config", "to_json"), ("model", "to_dict")], path
+    modules = [m.split(".")[1] for m, _ in path]
+    assert modules[:4] == ["launch", "preflight", "training_config", "model"], path
+    assert path[-3:] == [("runner.megatron_args", "arguments"), ("learn.training_config", "to_json"), ("learn.model", "to_dict")]
     checks = [f"{m}.{f}" for m, f in path if f.startswith("check")]
-    assert checks.count("training_config.check") == 1 and "preflight.check_run" in checks, checks
+    assert checks.count("learn.training_config.check") == 1 and "runner.preflight.check_run" in checks, checks
     assert len(climbs_back_up(path)) <= 2, (climbs_back_up(path), path)
-    assert climbs_back_up([("launch", "train"), ("training_config", "check"), ("model", "check_layout"),
-                           ("training_config", "check")]) == ["model -> training_config.check"]
+    assert climbs_back_up([("runner.launch", "train"), ("learn.training_config", "check"), ("learn.model", "check_layout"),
+                           ("learn.training_config", "check")]) == ["learn.model -> learn.training_config.check"]
+
+
+def test_a_checkpoint_at_iteration_0_is_resumed_from_and_a_failed_launch_puts_the_run_back(run_with_data, monkeypatch):
+    """Breaker (issue 27): iteration 0 is a checkpoint, not a fresh start: the plan says so, and a launch
+    that fails keeps the earlier log and puts the earlier run.json back (it deleted and overwrote them)."""
+    from helpers.learn import checkpointing, distributed
+
+    run = run_with_data / "resume-at-0"
+    cfg = training_config.profile("cpu", str(run), model={"vocab_size": 512, "num_layers": 2, "hidden_size": 64},
+                                  train_iters=10, lr_warmup_iters=1, split="90,8,2",
+                                  data_prefix=str(data_stage.data_paths(run_with_data).data_prefix),
+                                  tokenizer_dir=str(run_with_data / "data" / "tokenizer"), save_interval=5)
+    with distributed.single_process():
+        checkpointing.save_model(model.build_model(cfg.model), cfg.checkpoint_path, 0, cfg.model.to_metadata())
+    plan = preflight.check_run(cfg, nproc=1)
+    assert plan.start_iteration == 0 and plan.checkpoint_saves == 2
+    fresh = preflight.check_run(dataclasses.replace(cfg, checkpoint_dir=str(run / "elsewhere")), nproc=1)
+    assert fresh.start_iteration is None and fresh.checkpoint_saves == 2
+    (run / "training.log").write_text("the earlier run's log\n")
+    (run / "run.json").write_text("PREVIOUS")
+
+    def failing(*args, **kwargs):
+        raise launch.LaunchError("rank 0 failed")
+
+    monkeypatch.setattr(launch, "torchrun", failing)
+    with pytest.raises(launch.LaunchError, match="rank 0 failed"):
+        launch.train(cfg, progress=False)
+    assert (run / "training.log").read_text() == "the earlier run's log\n" and (run / "run.json").read_text() == "PREVIOUS"
+    with pytest.raises(ValueError, match=r"world_size=0: the number of processes \(nproc_per_node\), an integer >= 1"):
+        preflight.check_run(cfg, nproc=0)
+    (cfg.checkpoint_path / "latest_checkpointed_iteration.txt").write_text("-3")
+    with pytest.raises(ValueError, match="holds '-3', not an iteration number"):
+        preflight.check_run(cfg, nproc=1)

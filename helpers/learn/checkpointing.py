@@ -88,21 +88,19 @@ def check_readable(folder: str | os.PathLike) -> None:
     """Check, without loading a tensor, that every shard of a torch_dist ``iter_NNNNNNN`` folder is whole.
 
     The folder's ``.metadata`` (torch.distributed.checkpoint's index, read with
-    ``helpers.learn.megatron_lm``'s restricted unpickler) records the file, offset and length of every
+    ``helpers.support.safe_load``'s restricted unpickler) records the file, offset and length of every
     stored item; a shard shorter than its last item is a partly copied or damaged file, which
     Megatron-LM's loop would only report as a bare ``EOFError`` deep in its load.
 
     Raises:
         CheckpointReadError: a missing or short shard, or an unreadable ``.metadata`` (named, with the fix).
     """
-    from helpers.learn import megatron_lm
-
     folder = Path(folder)
     fix = (f"delete {folder.name} and its line in {TRACKER_FILE} (training resumes from the checkpoint before it, "
            "or from scratch), or copy the folder again")
     try:
         storage = safe_load.dcp_reader(folder, True).read_metadata().storage_data
-    except (OSError, megatron_lm.ConversionError) as err:
+    except (OSError, safe_load.ConversionError) as err:
         raise CheckpointReadError(f"could not read the checkpoint {folder}: {err}. Fix: {fix}") from None
     needed: dict[str, int] = {}
     for info in storage.values():

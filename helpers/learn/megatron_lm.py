@@ -99,7 +99,9 @@ def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
     try:
         iteration = int(text)
     except ValueError:
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over") from None
+        iteration = -1
+    if iteration < 0:
+        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over")
     if not iteration_dir(checkpoint_dir, iteration).is_dir():
         raise ValueError(f"{tracker} names iteration {iteration} but {iteration_dir(checkpoint_dir, iteration)} is missing")
     return iteration

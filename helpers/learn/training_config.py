@@ -216,6 +216,8 @@ class TrainingConfig:
                 (``lr`` above 1, ``adam_beta*`` outside [0, 1), ``adam_eps`` not positive,
                 negative ``weight_decay`` or ``clip_grad``).
         """
+        if isinstance(world_size, bool) or not isinstance(world_size, Integral) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r}: the number of processes (nproc_per_node), an integer >= 1")
         for obj, prefix in ((self, ""), (self.model, "model.")):
             for f in fields(obj):
                 value = getattr(obj, f.name)

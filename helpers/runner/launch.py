@@ -487,7 +487,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     plan = preflight.check_run(cfg, nproc=nproc_per_node, max_epochs=max_epochs, config_name=config_name)
     if plan is None:  # this run, finished: its results
         return TrainingResult(json.loads(cfg.summary_file.read_text()), metrics.read_metrics(cfg.metrics_file), 0.0, True, [])
-    latest = plan.start_iteration or None
+    latest = plan.start_iteration  # None: a fresh start
     config_path = cfg.run_path / config_name
     previous = config_path.read_text() if config_path.exists() else None  # put back if the launch trains nothing
     command = [*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)]  # Megatron-LM's flags for cfg
@@ -513,13 +513,13 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         res = torchrun(command, nproc_per_node=nproc_per_node,
                        timeout_s=timeout_s, master_port=master_port, on_line=on_line, log_path=log_path,
                        env={**megatron_args.ENV, **(env or {})}, log_dir=cfg.run_path / "torchrun_logs")
-    except LaunchError as err:
+    except BaseException as err:  # a failed job, a timeout, Ctrl-C
         if checkpointing.latest_iteration(cfg.checkpoint_path) == latest:  # nothing saved: run.json describes the checkpoint again
             if previous is None:
                 config_path.unlink(missing_ok=True)
             else:
                 config_path.write_text(previous)
-        if _disk_filled(err, cfg.checkpoint_path, plan.checkpoint_bytes):
+        if isinstance(err, LaunchError) and _disk_filled(err, cfg.checkpoint_path, plan.checkpoint_bytes):
             raise run_guard.DiskFullError(_disk_full_text(cfg, plan, log_path, started)) from None
         raise
     finally:

@@ -103,7 +103,7 @@ class Preflight:
     weights, gradients, optimizer state and activations of the largest stage (no allocator or
     communication buffers). ``checkpoint_bytes``: one save (:func:`helpers.learn.memory.checkpoint_bytes`);
     ``checkpoint_saves``: the saves still to come (Megatron-LM keeps them all) from
-    ``start_iteration``, the checkpoint it resumes from (0: a fresh start); ``free_bytes``: free
+    ``start_iteration``, the checkpoint it resumes from (None: a fresh start); ``free_bytes``: free
     space on the checkpoint folder's disk now. ``flops_per_s``: the stated rate behind ``estimated_seconds``
     (None for a GPU missing from :data:`PEAK_BF16_FLOPS`), described by ``rate_source``.
     """
@@ -117,7 +117,7 @@ class Preflight:
     memory_per_gpu_bytes: float
     checkpoint_bytes: int
     checkpoint_saves: int
-    start_iteration: int
+    start_iteration: int | None
     free_bytes: int
     flops_per_token: int
     flops_per_s: float | None
@@ -165,12 +165,13 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
             checks); on this machine's GPUs, more processes than GPUs; an unreadable ``.idx``.
     """
     dp = cfg.check(world_size=nproc, files=False)
-    return _plan(cfg, nproc, dp, checkpointing.latest_iteration(cfg.checkpoint_path) or 0, tokens_per_epoch, device, threads)
+    return _plan(cfg, nproc, dp, checkpointing.latest_iteration(cfg.checkpoint_path), tokens_per_epoch, device, threads)
 
 
-def _plan(cfg, nproc: int, dp: int, start: int, tokens_per_epoch: int | None = None, device: str | None = None,
+def _plan(cfg, nproc: int, dp: int, start: int | None, tokens_per_epoch: int | None = None, device: str | None = None,
           threads: int | None = None) -> Preflight:
-    """:func:`preflight` of a config already checked (``dp``: its data-parallel size), resuming from iteration ``start``."""
+    """:func:`preflight` of a config already checked (``dp``: its data-parallel size), resuming from
+    iteration ``start`` (None: a fresh start)."""
     import torch
 
     if device is None:
@@ -199,7 +200,7 @@ def _plan(cfg, nproc: int, dp: int, start: int, tokens_per_epoch: int | None = N
     return Preflight(device=device, precision=precision, tokens_per_iteration=per_iteration, train_tokens=total,
                      tokens_per_epoch=tokens_per_epoch, epochs=total / tokens_per_epoch if tokens_per_epoch else None,
                      memory_per_gpu_bytes=memory.total, checkpoint_bytes=checkpoint_bytes(cfg.model, precision, nproc),
-                     checkpoint_saves=checkpoint_saves(cfg, start), start_iteration=start,
+                     checkpoint_saves=checkpoint_saves(cfg, start or 0), start_iteration=start,
                      free_bytes=free_bytes(cfg.checkpoint_path), flops_per_token=fpt, flops_per_s=rate, rate_source=source,
                      estimated_seconds=total * fpt / rate if rate else None)
 
@@ -225,20 +226,27 @@ def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_nam
         RepeatedDataError: more than ``max_epochs`` epochs (:func:`check_repeats`).
         helpers.support.run_guard.DiskFullError: the checkpoints to come need more space than the disk has free.
     """
+    _check_max_epochs(max_epochs)
     dp = cfg.check(nproc)
     for folder in dict.fromkeys([cfg.run_path, cfg.checkpoint_path]):
         run_guard.check_writable(folder)  # a read-only folder: refused before anything is written
     run_guard.check_run_folder_free(cfg.run_path)  # another job training this folder: refused now
     latest = checkpointing.latest_iteration(cfg.checkpoint_path)
     if latest is not None:
+        checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))  # Megatron-LM would say only "EOFError"
         saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
         if latest >= cfg.train_iters and cfg.summary_file.exists():
             if (cfg.run_path / config_name).exists():  # a finished run's results must be this config's
-                check_same_run(cfg, TrainingConfig.from_json(cfg.run_path / config_name).to_dict())
+                try:
+                    saved_run = TrainingConfig.from_json(cfg.run_path / config_name).to_dict()
+                except ValueError as err:  # not JSON, or keys no TrainingConfig has
+                    raise ValueError(f"{cfg.run_path / config_name} cannot be read ({err}): it should describe the "
+                                     f"finished run in {cfg.checkpoint_path}. Train into a new run folder (run_dir=...), "
+                                     "or delete the file to take this config as the finished run's") from None
+                check_same_run(cfg, saved_run)
             return None
-        checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))  # Megatron-LM would say only "EOFError"
-    plan = _plan(cfg, nproc, dp, latest or 0)
+    plan = _plan(cfg, nproc, dp, latest)
     check_repeats(plan, max_epochs)
     check_disk(plan, cfg.checkpoint_path)
     return plan
@@ -305,8 +313,7 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
         RepeatedDataError: ``plan.epochs > max_epochs`` (the message gives both ways out).
         ValueError: ``max_epochs`` is not a finite number >= 0.
     """
-    if isinstance(max_epochs, bool) or not isinstance(max_epochs, (int, float)) or not 0 <= max_epochs < float("inf"):
-        raise ValueError(f"max_epochs={max_epochs!r} must be a finite number >= 0 (0: no limit; default {MAX_EPOCHS:g})")
+    _check_max_epochs(max_epochs)
     if max_epochs and plan.epochs is not None and plan.epochs > max_epochs:
         raise RepeatedDataError(
             f"this run reads {plan.train_tokens:,} tokens, {_epochs(plan.epochs)} epochs of the {plan.tokens_per_epoch:,} "
@@ -314,6 +321,11 @@ def check_repeats(plan: Preflight, max_epochs: float = MAX_EPOCHS) -> None:
             "data falls off steeply past about 16 epochs). Train fewer iterations or on more data (notebook 01: "
             "source=, package_files=, in a new run folder), or set max_epochs=0 (the runner: -p max_epochs=0) to run it "
             "anyway. Nothing was started.")
+
+
+def _check_max_epochs(max_epochs: float) -> None:
+    if isinstance(max_epochs, bool) or not isinstance(max_epochs, (int, float)) or not 0 <= max_epochs < float("inf"):
+        raise ValueError(f"max_epochs={max_epochs!r} must be a finite number >= 0 (0: no limit; default {MAX_EPOCHS:g})")
 
 
 def summary(plan: Preflight) -> dict[str, Any]:
