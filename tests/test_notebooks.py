@@ -93,8 +93,8 @@ def test_cells_accept_a_split_part_of_weight_0(tmp_path):
     env = dict(dataloader=dataloader, corpus=corpus, results=results, run_dir=str(tmp_path), NOTEBOOK="x",
                Markdown=str, display=shown.append, train_iters=10, global_batch_size=8, eval_interval=5,
                eval_iters=2, seq_length=64)
-    env["preprocess"] = SimpleNamespace(data_paths=lambda run_dir: SimpleNamespace(num_documents=300, split="99,0,1"),
-                                        split_document_ranges=preprocess.split_document_ranges)
+    env["data_stage"] = SimpleNamespace(data_paths=lambda run_dir: SimpleNamespace(num_documents=300, split="99,0,1"))
+    env["preprocess"] = preprocess
     exec(_cell_with(nb_dir / "02_data_loader.ipynb", "split_document_ranges(paths.num_documents"), env)
     assert "none" in shown[0]
     summary = dict(optimizer="adamw", tokens_per_s=1.0, first_valid_loss=None, final_valid_loss=None, iterations=1,
