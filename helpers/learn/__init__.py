@@ -12,7 +12,7 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
 * ``preprocess`` (01 §4, §7; read back in 02, 03 and 07): ``.bin/.idx`` with megatron-core's
   ``IndexedDatasetBuilder``, the split of its documents, and a damaged pair named.
 * ``dataloader`` (02; 01 §2, 06 §13, 07 §2): ``GPTDatasetConfig`` and ``BlendedMegatronDatasetBuilder``.
-* ``model`` (03 §3, 05): ``TransformerConfig`` and ``GPTModel``; ``attention`` (04 §9): core
+* ``model`` (03 §3, 05): ``TransformerConfig`` and ``GPTModel``, GPT-2's blocks or a Llama's; ``attention`` (04 §9): core
   attention; ``memory`` (05 §5): bytes per GPU, the series' calculator.
 * ``distributed`` (02 §9, 04 §11): process groups in one process; ``optimizer`` (03 §7, 04 §7):
   AdamW and the schedule.
@@ -22,5 +22,7 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
   (03 §8, 06 §10): reading checkpoints Megatron-LM wrote itself (torch_dist and legacy; the files
   are unpickled by ``helpers.support.safe_load``).
 * ``conversion`` (06): megatron-core <-> transformers GPT-2, one weight map both ways.
+  ``llama``: the same for the Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention)
+  <-> ``LlamaForCausalLM``.
 * ``evaluation`` (07): bits per byte against gzip, sampling, syntax validity, pass@k.
 """

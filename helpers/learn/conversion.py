@@ -59,7 +59,7 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers.learn import checkpointing, megatron_lm
+from helpers.learn import checkpointing, llama, megatron_lm
 from helpers.support import results, safe_load
 from helpers.support.environment import package_version
 from helpers.support.safe_load import ConversionError  # the error of every reader below the converter
@@ -560,7 +560,7 @@ def load_megatron_checkpoint(source: str | os.PathLike, *,
     if meta is None or fmt == "torch":  # Megatron-LM's own checkpoint: the architecture from its args
         raw, meta, it, fmt, non_model = megatron_lm.read_checkpoint(path, fmt, meta, weights_only=weights_only)
     else:
-        check_architecture(meta)
+        (llama.check_llama if meta.get("architecture") == "llama" else check_architecture)(meta)
         if fmt == "torch_dist":
             raw, non_model = checkpointing.read_model_tensors(path)
         else:
@@ -660,7 +660,8 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
                   tokenizer_dir: str | os.PathLike | None = None,
                   model_config: ModelConfig | Mapping[str, Any] | None = None, iteration: int | None = None,
                   overwrite: bool = False, dtype: torch.dtype = torch.float32, weights_only: bool = True) -> ConversionResult:
-    """Convert a megatron-core GPT checkpoint into a transformers ``GPT2LMHeadModel`` folder.
+    """Convert a megatron-core GPT checkpoint into a transformers ``GPT2LMHeadModel`` folder (a Llama-style
+    model, ``architecture="llama"`` in its metadata: a ``LlamaForCausalLM`` folder, :mod:`helpers.learn.llama`).
 
     Writes ``config.json`` (:func:`gpt2_config`), ``model.safetensors`` (:func:`megatron_to_hf_state_dict`,
     read back and compared bit for bit), ``generation_config.json`` (EOS = BOS = PAD = the EOD
@@ -690,7 +691,7 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
             tokenizer of another size than the model's vocabulary.
     """
     from safetensors.torch import load_file
-    from transformers import GenerationConfig, GPT2LMHeadModel
+    from transformers import GenerationConfig, GPT2LMHeadModel, LlamaForCausalLM
 
     start = time.perf_counter()
     out = Path(output_dir).expanduser().resolve()
@@ -699,9 +700,14 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
         source, model_config=model_config, iteration=iteration, weights_only=weights_only)
     tok_dir = _tokenizer_dir(tokenizer_dir, ckpt)
     vocab, eod = _check_tokenizer(tok_dir, ckpt.meta)
-    hf_sd = megatron_to_hf_state_dict(ckpt.state_dict, ckpt.meta, vocab)
-    config = gpt2_config(ckpt.meta, vocab_size=vocab, eod_id=eod)
-    model = GPT2LMHeadModel(config)
+    if ckpt.meta.get("architecture") == "llama":  # RoPE, RMSNorm, SwiGLU, GQA: helpers.learn.llama's map
+        hf_sd = llama.megatron_to_llama_state_dict(ckpt.state_dict, ckpt.meta, vocab)
+        config = llama.llama_config(ckpt.meta, vocab_size=vocab, eod_id=eod)
+        model = LlamaForCausalLM(config)
+    else:
+        hf_sd = megatron_to_hf_state_dict(ckpt.state_dict, ckpt.meta, vocab)
+        config = gpt2_config(ckpt.meta, vocab_size=vocab, eod_id=eod)
+        model = GPT2LMHeadModel(config)
     model.load_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, strict=True)  # raises on a key mismatch
     model = model.to(dtype).eval()
     rows = ckpt.state_dict["embedding.word_embeddings.weight"].shape[0]
@@ -719,7 +725,8 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
         info = {"source": ckpt.source, "format": ckpt.format, "iteration": ckpt.iteration,
                 "tensor_model_parallel_size": int(ckpt.meta.get("tensor_model_parallel_size", 1)),
                 "checkpoint_vocab_rows": rows, "vocab_size": vocab, "padded_rows_removed": rows - vocab,
-                "activation_function": config.activation_function, "gelu": ckpt.meta.get("gelu"),
+                "activation_function": getattr(config, "activation_function", None) or config.hidden_act,
+                "gelu": ckpt.meta.get("gelu"), "architecture": config.architectures[0],
                 "tied_embeddings": config.tie_word_embeddings, "num_parameters": n_params, "tokenizer_dir": str(tok_dir),
                 "eod_id": eod, "extra_state_keys_skipped": len(ckpt.extra_state_keys),
                 "non_model_keys_not_read": len(ckpt.non_model_keys), "dtype": str(dtype).replace("torch.", ""),

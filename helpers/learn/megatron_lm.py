@@ -192,7 +192,12 @@ def find_checkpoint(path: str | os.PathLike, iteration: int | None = None) -> tu
 
 # =========================================================================== the architecture
 def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_model: bool = False) -> dict[str, Any]:
-    """``ModelConfig.to_metadata()`` of the GPT that Megatron-LM's ``args`` describe, refusing what GPT-2 cannot hold.
+    """``ModelConfig.to_metadata()`` of the GPT that Megatron-LM's ``args`` describe, refusing what neither GPT-2
+    nor a Llama (:data:`helpers.learn.model.ARCHITECTURES`) can hold.
+
+    A Llama's arguments are all of ``--position-embedding-type rope``, ``--normalization RMSNorm``,
+    ``--swiglu``, ``--disable-bias-linear`` and ``--untie-embeddings-and-output-weights`` (with or
+    without ``--group-query-attention``); one of them without the others is neither model.
 
     Args:
         args: the checkpoint's ``args`` (``argparse.Namespace`` or a dict of its attributes).
@@ -216,15 +221,23 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     if missing:
         raise ConversionError(f"the checkpoint's args lack {missing}: pass model_config= (a helpers.learn.model.ModelConfig "
                               "of the trained model; Python only)")
-    refuse = {  # argument: (value, why), when the value is one GPT-2 cannot express
-        "position_embedding_type": a.get("position_embedding_type", "learned_absolute") != "learned_absolute",
-        "use_rotary_position_embeddings": bool(a.get("use_rotary_position_embeddings")),
+    rope = a.get("position_embedding_type") == "rope" or bool(a.get("use_rotary_position_embeddings"))
+    is_llama = (rope and a.get("normalization") == "RMSNorm" and bool(a.get("swiglu"))
+                and a.get("add_bias_linear", True) is False and bool(a.get("untie_embeddings_and_output_weights")))
+    refuse = {  # argument: True when its value is one neither GPT-2 nor (for the first group) a Llama can express
+        "position_embedding_type": a.get("position_embedding_type", "learned_absolute") != "learned_absolute" and not is_llama,
+        "use_rotary_position_embeddings": bool(a.get("use_rotary_position_embeddings")) and not is_llama,
+        "normalization": a.get("normalization", "LayerNorm") != "LayerNorm" and not is_llama,
+        "swiglu": bool(a.get("swiglu")) and not is_llama,
+        "add_bias_linear": a.get("add_bias_linear", True) is False and not is_llama,
+        "num_query_groups": (bool(a.get("group_query_attention")) and a.get("num_query_groups") not in (None, heads)
+                             and not is_llama),
+        "rotary_percent": is_llama and float(a.get("rotary_percent", 1.0)) != 1.0,
+        "rotary_interleaved": is_llama and bool(a.get("rotary_interleaved")),
+        "use_rope_scaling": is_llama and bool(a.get("use_rope_scaling")),
         "add_position_embedding": a.get("add_position_embedding", True) is False,
-        "normalization": a.get("normalization", "LayerNorm") != "LayerNorm",
-        "swiglu": bool(a.get("swiglu")), "squared_relu": bool(a.get("squared_relu")),
-        "quick_geglu": bool(a.get("quick_geglu")), "gated_linear_unit": bool(a.get("gated_linear_unit")),
-        "add_bias_linear": a.get("add_bias_linear", True) is False,
-        "num_query_groups": bool(a.get("group_query_attention")) and a.get("num_query_groups") not in (None, heads),
+        "squared_relu": bool(a.get("squared_relu")),
+        "quick_geglu": bool(a.get("quick_geglu")), "gated_linear_unit": bool(a.get("gated_linear_unit")) and not is_llama,
         "kv_channels": a.get("kv_channels") not in (None, hidden // heads if hidden and heads else None),
         "num_experts": bool(a.get("num_experts")), "multi_latent_attention": bool(a.get("multi_latent_attention")),
         "qk_layernorm": bool(a.get("qk_layernorm")), "apply_layernorm_1p": bool(a.get("apply_layernorm_1p")),
@@ -242,9 +255,10 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     bad = [f"{k}={a.get(k)!r}" for k, v in refuse.items() if v]
     if bad:
         raise ConversionError(
-            f"the checkpoint's args describe a model GPT-2 cannot represent: {', '.join(bad)} (GPT-2 is learned "
-            "absolute positions, LayerNorm with bias, a GELU MLP without gate, biases everywhere, one key/value head "
-            "per query head). Convert it to a model class that has these features (e.g. LlamaForCausalLM).")
+            f"the checkpoint's args describe a model neither GPT-2 nor a Llama can represent: {', '.join(bad)} (GPT-2 is "
+            "learned absolute positions, LayerNorm with bias, a GELU MLP without gate, biases everywhere, one key/value "
+            "head per query head; a Llama is all of rotary positions, RMSNorm, SwiGLU, no biases and untied embeddings, "
+            "with any number of key/value heads). Convert it with a tool that knows these features.")
     padded = a.get("padded_vocab_size")
     tp = int(a.get("tensor_model_parallel_size") or a.get("model_parallel_size") or 1)  # before 3.0: model_parallel_size
     multiple = int(a.get("make_vocab_size_divisible_by") or 128) * tp
@@ -254,7 +268,10 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         raise ConversionError("the checkpoint's args lack padded_vocab_size (and vocab_size): pass model_config= "
                               "(a helpers.learn.model.ModelConfig of the trained model; Python only)")
     bias_gelu = bool(a.get("bias_gelu_fusion")) and a.get("add_bias_linear", True) is not False
-    tanh = bias_gelu or bool(a.get("use_te_activation_func")) or (old_model and bool(a.get("openai_gelu")))
+    tanh = not is_llama and (bias_gelu or bool(a.get("use_te_activation_func")) or (old_model and bool(a.get("openai_gelu"))))
+    groups = int(a["num_query_groups"]) if is_llama and a.get("group_query_attention") and a.get("num_query_groups") else None
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                 num_query_groups=groups, rotary_base=int(a.get("rotary_base") or 10000)) if is_llama else {}
     try:
         cfg = ModelConfig(
             num_layers=int(a["num_layers"]), hidden_size=int(hidden), num_attention_heads=int(heads),
@@ -264,7 +281,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
             hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
             init_method_std=float(a.get("init_method_std", 0.02)),
             layernorm_epsilon=float(a.get("layernorm_epsilon", a.get("norm_epsilon", 1e-5))),
-            bias_activation_fusion=tanh, share_embeddings_and_output_weights=not a.get("untie_embeddings_and_output_weights"))
+            bias_activation_fusion=tanh, share_embeddings_and_output_weights=not a.get("untie_embeddings_and_output_weights"),
+            **llama)
     except (TypeError, ValueError) as err:
         raise ConversionError(f"the checkpoint's args do not describe a valid GPT: {err}") from err
     exact = a.get("vocab_size")

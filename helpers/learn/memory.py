@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters
+from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters, layer_parameters, norm_parameters
 
 #: Bytes of one parameter, its gradient and its optimizer state (Adam) by training precision,
 #: as Megatron-LM's ``docs/source/api-guide/distrib_optimizer.md`` tabulates them:
@@ -48,9 +48,10 @@ def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
 
     Per layer (h hidden, f MLP width, t TP size): column-parallel QKV (3h^2 + 3h)/t and fc1
     (hf + f)/t, row-parallel projection h^2/t and fc2 hf/t whose biases (h each) are replicated,
-    and two LayerNorms (4h) replicated on every TP rank. The first stage adds the vocab-parallel
-    word embeddings V_pad*h/t and the position embeddings P*h (replicated); the last stage the
-    final LayerNorm (2h) and the output layer V_pad*h/t, which, with tied embeddings, is a
+    and two LayerNorms (4h) replicated on every TP rank (a Llama, :func:`helpers.learn.model.layer_parameters`:
+    grouped-query QKV, SwiGLU's gate and up in fc1, no biases, RMSNorms of h). The first stage adds
+    the vocab-parallel word embeddings V_pad*h/t and the position embeddings P*h (replicated; none
+    with RoPE); the last stage the final norm (2h; h for RMSNorm) and the output layer V_pad*h/t, which, with tied embeddings, is a
     *copy* of the word embeddings when PP > 1 and absent when PP = 1 (megatron-core
     ``LanguageModule.setup_embeddings_and_output_layer``). Source: megatron-core
     ``tensor_parallel/layers.py``, ``models/gpt/gpt_model.py``. Equals ``sum(p.numel())`` on
@@ -68,14 +69,17 @@ def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
 
 def _parameters_per_rank(model: ModelConfig, t: int, p: int, pipeline_rank: int) -> int:
     """:func:`parameters_per_rank` of a layout already checked."""
-    h, f = model.hidden_size, model.ffn_size
+    h = model.hidden_size
     v = model.padded_vocab_size(t)
-    per_layer = 4 * h + (3 * h * h + 3 * h) // t + h * h // t + h + (h * f + f) // t + h * f // t + h
+    part = layer_parameters(model)
+    replicated_bias = h * int(model.add_bias_linear)  # the row-parallel layers' (projection, fc2) biases
+    per_layer = (part["qkv"] + part["proj"] - replicated_bias + part["fc1"] + part["fc2"] - replicated_bias) // t \
+        + 2 * replicated_bias + part["norms"]
     total = model.num_layers // p * per_layer
     if pipeline_rank == 0:
-        total += v * h // t + model.max_position_embeddings * h
+        total += v * h // t + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
     if pipeline_rank == p - 1:
-        total += 2 * h
+        total += norm_parameters(model)
         if not model.share_embeddings_and_output_weights or p > 1:
             total += v * h // t
     return total

@@ -1,10 +1,19 @@
 """The GPT model of the series: profiles, megatron-core ``TransformerConfig`` and ``GPTModel``.
 
-The architecture is GPT-2's, as in Hugging Face's CodeParrot guide: learned absolute position
-embeddings, pre-LayerNorm blocks, GELU MLP with 4x expansion, biases everywhere, and input
-and output embeddings tied. Notebook 06 converts it to ``transformers``' ``GPT2LMHeadModel``
-exactly, so everything a converter needs (shape, padded vocab size, *which* GELU, tied-ness)
-is in :meth:`ModelConfig.to_metadata`.
+Two architectures, each a set of Megatron-LM's own arguments (:data:`ARCHITECTURES`):
+
+* ``gpt2``, the guide's (Hugging Face's CodeParrot): learned absolute position embeddings,
+  pre-LayerNorm blocks, a GELU MLP with 4x expansion, biases everywhere, input and output
+  embeddings tied. Notebook 06 converts it to ``transformers``' ``GPT2LMHeadModel``.
+* ``llama``, what is pre-trained today (Touvron et al. 2023, "LLaMA", arXiv:2302.13971, section
+  2.2): rotary position embeddings (Su et al. 2021, arXiv:2104.09864), RMSNorm (Zhang and
+  Sennrich 2019), a SwiGLU MLP (Shazeer 2020, arXiv:2002.05202) of about 8h/3 so that it keeps
+  the 8h^2 parameters of a 4h GELU MLP, grouped-query attention (Ainslie et al. 2023,
+  arXiv:2305.13245), no linear biases, untied input and output embeddings. It converts to
+  ``LlamaForCausalLM``.
+
+Everything a converter needs (shape, padded vocab size, *which* activation, the position
+embedding, the normalisation, query groups, tied-ness) is in :meth:`ModelConfig.to_metadata`.
 
 Sources: Megatron-LM ``pretrain_gpt.py`` / ``gpt_builders.py`` (how GPTModel is built),
 ``megatron/training/tokenizer`` ``_vocab_size_with_padding`` (vocab padding),
@@ -24,6 +33,15 @@ GELU_HF_NAME = {"erf": "gelu", "tanh": "gelu_new"}
 
 #: Attention kernels of the local layer spec (see ``ModelConfig.core_attention``).
 CORE_ATTENTIONS = ("sdpa", "unfused")
+
+#: The two architectures as ModelConfig fields (Megatron-LM's ``--position-embedding-type``,
+#: ``--normalization``, ``--swiglu``, ``--disable-bias-linear``, ``--untie-embeddings-and-output-weights``).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "gpt2": {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
+             "add_bias_linear": True, "share_embeddings_and_output_weights": True},
+    "llama": {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+              "add_bias_linear": False, "share_embeddings_and_output_weights": False},
+}
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,15 @@ class ModelConfig:
             ``F.gelu``, the exact **erf** GELU.
         masked_softmax_fusion, bias_dropout_fusion: megatron-core fusion flags (work on CPU).
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
+        position_embedding_type: ``"learned_absolute"`` (a table of ``max_position_embeddings``
+            rows, GPT-2) or ``"rope"`` (rotary embeddings applied to queries and keys, base
+            ``rotary_base``; megatron-core's default half-split layout, which is also
+            ``LlamaForCausalLM``'s ``rotate_half``).
+        normalization: ``"LayerNorm"`` (weight and bias) or ``"RMSNorm"`` (weight only).
+        swiglu: a gated MLP ``fc2(silu(x W_gate) * (x W_up))`` (megatron-core ``gated_linear_unit``
+            with SiLU; ``linear_fc1`` holds ``[W_gate; W_up]``) instead of GELU.
+        num_query_groups: key/value heads (grouped-query attention); ``None``: one per query head.
+        add_bias_linear: biases in every linear layer (GPT-2) or none (Llama).
         core_attention: the attention kernel of the local layer spec: ``"unfused"``
             (megatron-core's ``DotProductAttention``: scores, mask, softmax, dropout and the
             value product as separate ops; what Megatron-LM's ``--transformer-impl local`` trains
@@ -72,6 +99,12 @@ class ModelConfig:
     bias_dropout_fusion: bool = False
     share_embeddings_and_output_weights: bool = True
     core_attention: str = "unfused"
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    num_query_groups: int | None = None
+    add_bias_linear: bool = True
+    rotary_base: int = 10000
 
     def __post_init__(self) -> None:
         if self.core_attention not in CORE_ATTENTIONS:
@@ -85,12 +118,21 @@ class ModelConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be a probability in [0, 1) "
                                  "(the guide used 0.1)")
+        choices = {"position_embedding_type": ("learned_absolute", "rope"), "normalization": ("LayerNorm", "RMSNorm")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, allowed))}")
+        if self.num_query_groups is not None and not (0 < self.num_query_groups <= self.num_attention_heads
+                                                      and self.num_attention_heads % self.num_query_groups == 0):
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
+                             f"{self.num_attention_heads}: each key/value head serves the same number of query heads. "
+                             f"Use one of {divisors(self.num_attention_heads)} (or None: one per query head)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: pick heads that divide the width"
             )
-        if self.seq_length > self.max_position_embeddings:
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             raise ValueError(
                 f"seq_length={self.seq_length} is above max_position_embeddings="
                 f"{self.max_position_embeddings}: the learned position table has no row for "
@@ -99,13 +141,27 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        """MLP width: ``ffn_hidden_size`` or 4 x hidden_size."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """MLP width: ``ffn_hidden_size``, else 4 x hidden_size, or with SwiGLU 8h/3 rounded up to a
+        multiple of 64 (its three matrices then hold the 8h^2 parameters of GELU's two; LLaMA's rule)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return -(-8 * self.hidden_size // 3 // 64) * 64 if self.swiglu else 4 * self.hidden_size
 
     @property
     def gelu(self) -> str:
         """``"tanh"`` when the fused bias-GELU is used, else ``"erf"`` (exact)."""
         return "tanh" if self.bias_activation_fusion else "erf"
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or one per query head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def architecture(self) -> str:
+        """``"gpt2"`` or ``"llama"`` when the fields are one of :data:`ARCHITECTURES`, else ``"custom"``."""
+        return next((name for name, fields_ in ARCHITECTURES.items()
+                     if all(getattr(self, k) == v for k, v in fields_.items())), "custom")
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """See :func:`padded_vocab_size`."""
@@ -140,10 +196,9 @@ class ModelConfig:
             "ffn_hidden_size": self.ffn_size,
             "padded_vocab_size": self.padded_vocab_size(tensor_model_parallel_size),
             "gelu": self.gelu,
-            "hf_activation_function": GELU_HF_NAME[self.gelu],
-            "position_embedding_type": "learned_absolute",
-            "normalization": "LayerNorm",
-            "add_bias_linear": True,
+            "hf_activation_function": "silu" if self.swiglu else GELU_HF_NAME[self.gelu],
+            "num_query_groups": self.query_groups,
+            "architecture": self.architecture,
             "tied_embeddings": self.share_embeddings_and_output_weights,
             "num_parameters": count_parameters(self),
             "flops_per_token": flops_per_token(self),
@@ -157,6 +212,9 @@ PROFILES: dict[str, ModelConfig] = {
     # notebook 03's defaults: chosen with bench/recipe.py for the most learning in 2-3 CPU minutes
     "cpu": ModelConfig(num_layers=4, hidden_size=192, num_attention_heads=4, seq_length=128,
                        max_position_embeddings=128, vocab_size=8192),
+    # the same size as a Llama: ffn 512 keeps the MLP's parameters, 2 key/value heads for 4 query heads
+    "cpu-llama": ModelConfig(num_layers=4, hidden_size=192, num_attention_heads=4, seq_length=128,
+                             max_position_embeddings=128, vocab_size=8192, num_query_groups=2, **ARCHITECTURES["llama"]),
     "codeparrot-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
                                     seq_length=1024, max_position_embeddings=1024,
                                     vocab_size=32768, hidden_dropout=0.1, attention_dropout=0.1,
@@ -193,17 +251,36 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def layer_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of one transformer layer, by part (unsharded), for either architecture.
+
+    With d = h / heads and g key/value heads: QKV ``h*(heads + 2g)*d`` (3h^2 with g = heads),
+    projection ``h^2``, MLP ``h*f`` per matrix (two; three with SwiGLU), each linear layer with its
+    bias when ``add_bias_linear``; two norms of 2h (LayerNorm) or h (RMSNorm).
+    """
+    h, f, b = cfg.hidden_size, cfg.ffn_size, int(cfg.add_bias_linear)
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * (h // cfg.num_attention_heads)
+    fc1_rows = 2 * f if cfg.swiglu else f
+    return {"qkv": qkv_rows * h + b * qkv_rows, "proj": h * h + b * h, "fc1": fc1_rows * h + b * fc1_rows,
+            "fc2": f * h + b * h, "norms": 2 * norm_parameters(cfg)}
+
+
+def norm_parameters(cfg: ModelConfig) -> int:
+    """Parameters of one norm: weight and bias (LayerNorm, 2h) or weight (RMSNorm, h)."""
+    return (2 if cfg.normalization == "LayerNorm" else 1) * cfg.hidden_size
+
+
 def count_parameters(cfg: ModelConfig, tensor_model_parallel_size: int = 1) -> int:
     """Number of parameters of the (unsharded) GPTModel, counting tied embeddings once.
 
-    word embeddings V_pad*h + positions P*h; per layer 2 LayerNorms (4h), QKV (3h^2 + 3h),
-    output projection (h^2 + h), MLP (2*h*f + f + h); final LayerNorm 2h; an untied output
-    layer adds V_pad*h. Equals ``sum(p.numel())`` of :func:`build_model` (tested).
+    word embeddings V_pad*h, positions P*h (learned absolute only); per layer
+    :func:`layer_parameters` (GPT-2: 4h + 3h^2 + 3h + h^2 + h + 2hf + f + h); a final norm; an
+    untied output layer adds V_pad*h. Equals ``sum(p.numel())`` of :func:`build_model` (tested).
     """
-    h, f = cfg.hidden_size, cfg.ffn_size
+    h = cfg.hidden_size
     v = cfg.padded_vocab_size(tensor_model_parallel_size)
-    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h)
-    total = v * h + cfg.max_position_embeddings * h + cfg.num_layers * per_layer + 2 * h
+    positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    total = v * h + positions + cfg.num_layers * sum(layer_parameters(cfg).values()) + norm_parameters(cfg)
     if not cfg.share_embeddings_and_output_weights:
         total += v * h
     return total
@@ -212,8 +289,9 @@ def count_parameters(cfg: ModelConfig, tensor_model_parallel_size: int = 1) -> i
 def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int:
     """Training FLOPs per token (forward + backward) of the GPT, for MFU.
 
-    Per layer, forward matmuls cost 2 FLOPs per multiply-add: QKV and projection 8h^2,
-    MLP 4hf, attention scores and the weighted sum 4sh; the logits 2hV. Backward costs twice
+    Per layer, forward matmuls cost 2 FLOPs per multiply-add: QKV and projection 8h^2 (less with
+    grouped-query attention: 2h*(heads + 2g)*d + 2h^2), MLP 4hf (6hf with SwiGLU's three matrices),
+    attention scores and the weighted sum 4sh; the logits 2hV. Backward costs twice
     the forward (3x in all; 4x for the layers with full activation recomputation). With f=4h:
     ``72*l*h^2*(1 + s/(6h) + V/(12*l*h))`` per token, i.e. 6N plus the attention term 12*l*s*h.
 
@@ -223,7 +301,8 @@ def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int
     """
     h, f, s, l = cfg.hidden_size, cfg.ffn_size, cfg.seq_length, cfg.num_layers
     v = cfg.padded_vocab_size()
-    layer_fwd = 8 * h * h + 4 * h * f + 4 * s * h
+    qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * (h // cfg.num_attention_heads)
+    layer_fwd = 2 * h * qkv_rows + 2 * h * h + (6 if cfg.swiglu else 4) * h * f + 4 * s * h
     layer_factor = 4 if activation_recompute else 3
     return l * layer_fwd * layer_factor + 3 * 2 * h * v
 
@@ -298,6 +377,11 @@ def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None =
         raise ValueError(
             f"tensor_model_parallel_size={tp} does not divide hidden_size={model.hidden_size}: the row-parallel "
             f"layers split the hidden dimension. Use a TP size among {divisors(model.hidden_size)}."
+        )
+    if model.query_groups % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide num_query_groups={model.query_groups}: each TP rank "
+            f"holds whole key/value heads. Use a TP size among {divisors(model.query_groups)}."
         )
     if model.ffn_size % tp:
         raise ValueError(
@@ -382,10 +466,11 @@ def transformer_config(cfg: ModelConfig, *, tensor_model_parallel_size: int = 1,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
         layernorm_epsilon=cfg.layernorm_epsilon,
-        normalization="LayerNorm",
-        activation_func=F.gelu,
-        add_bias_linear=True,
-        gated_linear_unit=False,
+        normalization=cfg.normalization,
+        activation_func=F.silu if cfg.swiglu else F.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        gated_linear_unit=cfg.swiglu,
+        num_query_groups=cfg.num_query_groups,
         bias_activation_fusion=cfg.bias_activation_fusion,
         masked_softmax_fusion=cfg.masked_softmax_fusion,
         bias_dropout_fusion=cfg.bias_dropout_fusion,
@@ -451,7 +536,7 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
         raise ValueError(f"layer_spec={layer_spec!r}: choose 'auto', 'local' or 'te'")
     if use_te and not transformer_engine_available():
         raise ValueError("layer_spec='te' but Transformer Engine is not importable; use 'local'")
-    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec()
+    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization=cfg.normalization)
     if not use_te and cfg.core_attention == "sdpa":
         from helpers.learn.attention import SDPAttention
 
@@ -469,7 +554,8 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_base=cfg.rotary_base,
     )
     model.layer_spec_name = "te" if use_te else "local"
     return model

@@ -124,7 +124,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--make-vocab-size-divisible-by", _model("make_vocab_size_divisible_by"), "model.make_vocab_size_divisible_by"),
     Flag("--untie-embeddings-and-output-weights", _switch(lambda cfg: not cfg.model.share_embeddings_and_output_weights),
          "model.share_embeddings_and_output_weights=False"),
-    Flag("--no-bias-gelu-fusion", _switch(lambda cfg: not cfg.model.bias_activation_fusion),
+    Flag("--no-bias-gelu-fusion", _switch(lambda cfg: not cfg.model.bias_activation_fusion and not cfg.model.swiglu),
          "model.bias_activation_fusion=False: the exact (erf) GELU; the fused kernel computes the tanh one"),
     Flag("--no-bias-dropout-fusion", _switch(lambda cfg: not cfg.model.bias_dropout_fusion),
          "model.bias_dropout_fusion=False"),
@@ -137,6 +137,21 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--exit-interval", lambda cfg: cfg.exit_interval if cfg.exit_interval else False, "exit_interval"),
     Flag("--pretrained-checkpoint", lambda cfg: cfg.pretrained_checkpoint or False,
          "pretrained_checkpoint: the weights to start from when --load holds no checkpoint"),
+    # a Llama's blocks (model.ARCHITECTURES["llama"]); none of them for the guide's GPT-2
+    Flag("--position-embedding-type", lambda cfg: cfg.model.position_embedding_type if cfg.model.position_embedding_type != "learned_absolute"
+         else False, "model.position_embedding_type: rotary embeddings (a Llama)"),
+    Flag("--rotary-base", lambda cfg: cfg.model.rotary_base if cfg.model.position_embedding_type == "rope" else False,
+         "model.rotary_base"),
+    Flag("--normalization", lambda cfg: cfg.model.normalization if cfg.model.normalization != "LayerNorm" else False,
+         "model.normalization: RMSNorm (a Llama)"),
+    Flag("--swiglu", _switch(lambda cfg: cfg.model.swiglu), "model.swiglu: the gated SiLU MLP (a Llama)"),
+    Flag("--no-bias-swiglu-fusion", _switch(lambda cfg: cfg.model.swiglu and not cfg.model.bias_activation_fusion),
+         "model.bias_activation_fusion=False: SiLU and the gate as separate ops"),
+    Flag("--disable-bias-linear", _switch(lambda cfg: not cfg.model.add_bias_linear), "model.add_bias_linear=False (a Llama)"),
+    Flag("--group-query-attention", _switch(lambda cfg: cfg.model.query_groups < cfg.model.num_attention_heads),
+         "model.num_query_groups below the heads: grouped-query attention"),
+    Flag("--num-query-groups", lambda cfg: cfg.model.query_groups if cfg.model.query_groups < cfg.model.num_attention_heads
+         else False, "model.num_query_groups"),
     # new: what a run today asks for
     Flag("--data-cache-path", lambda cfg: cfg.run_path / "data" / "cache", "the GPTDataset index cache (notebook 02)"),
     Flag("--exit-signal-handler", lambda cfg: None, "SIGTERM: save a checkpoint, then exit"),
@@ -154,6 +169,12 @@ CPU_FLAGS: tuple[tuple[str, str | None, str], ...] = (
     ("--no-persist-layer-norm", None, "the persistent LayerNorm kernel is Apex's (CUDA)"),
     ("--num-workers", "0", "no DataLoader worker processes: 2 would compete with training for 2 cores"),
 )
+#: What a CPU adds for rotary embeddings (a Llama): megatron-core's fused RoPE is Transformer Engine's.
+CPU_ROPE_FLAG = ("--no-rope-fusion", None, "the fused rotary-embedding kernel is Transformer Engine's (CUDA)")
+
+
+def _cpu_flags(cfg: TrainingConfig) -> tuple[tuple[str, str | None, str], ...]:
+    return CPU_FLAGS + ((CPU_ROPE_FLAG,) if cfg.model.position_embedding_type == "rope" else ())
 
 
 def _text(value: Any) -> str:
@@ -185,7 +206,7 @@ def arguments(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[str]:
             continue
         out += [f.flag] if value is None else [f.flag, _text(value)]
     if cpu:
-        for flag, value, _ in CPU_FLAGS:
+        for flag, value, _ in _cpu_flags(cfg):
             out += [flag] if value is None else [flag, value]
     elif cfg.layer_spec == "local":
         out += ["--transformer-impl", "local"]
@@ -247,7 +268,7 @@ def flag_table(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[dict[str
         rows.append({"today": f.flag, "value": "" if value is None else _text(value), "the guide (2022)": guide,
                      "change": change, "from the series": f.source})
     if cpu:
-        for flag, value, why in CPU_FLAGS:
+        for flag, value, why in _cpu_flags(cfg):
             rows.append({"today": flag, "value": value or "", "the guide (2022)": "", "change": "CPU only",
                          "from the series": why})
     for flag in GUIDE_2022:

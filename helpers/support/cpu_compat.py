@@ -210,6 +210,9 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
     Shim("causal_mask", "megatron.core.transformer.utils", {39: _CUDA, 44: _CUDA},
          "get_default_causal_mask builds the causal mask with torch.ones(sq, sq, device='cuda') "
          "(attention_mask=None, as GPTDataset batches have it); get_sliding_window_causal_mask likewise"),
+    Shim("rotary_pos_embedding", "megatron.core.models.common.embeddings.rotary_pos_embedding", {162: _CUR},
+         "RotaryEmbedding.get_emb moves its inv_freq to torch.cuda.current_device() at the first forward "
+         "(rotary position embeddings: a Llama, --position-embedding-type rope)"),
     Shim("global_memory_buffer", "megatron.core.utils", {715: _CUR, 1332: _CUDA},
          "GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device() (every attention forward); "
          "local_multi_tensor_l2_norm, the gradient norm without Apex, returns it on device='cuda'"),
