@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from helpers.learn import checkpointing, conversion, llama, memory
+from helpers.learn import checkpointing, conversion, llama, memory, training_config
+from helpers.runner import megatron_args
 from helpers.learn import model as model_lib
 from helpers.demos import conversion_proofs as proofs
 from test_conversion import VOCAB, tokenizer_dir, tokens  # noqa: F401 (fixture)
@@ -38,7 +39,11 @@ def test_the_llama_profile_is_the_cpu_model_with_todays_blocks():
         tiny_llama(normalization="rms")
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 does not divide num_query_groups=2"):
         model_lib.check_layout(tiny_llama(), model_lib.Layout(4, 1, 1))
-    assert tiny_llama(seq_length=64).seq_length == 64  # RoPE has no position table to outgrow
+    with pytest.raises(ValueError, match="seq_length=64 is above max_position_embeddings=32"):
+        tiny_llama(seq_length=64)  # no table to outgrow, but Megatron-LM's validate_args asks for it with RoPE too
+    gpu_flags = megatron_args.arguments(training_config.profile("cpu", "/tmp/x", model=tiny_llama().to_dict(), layer_spec="local"),
+                                        cpu=False)
+    assert "--no-rope-fusion" in gpu_flags and "--use-cpu-initialization" not in gpu_flags  # the fused RoPE is TE's
 
 
 def test_a_llama_trains_on_a_cpu_and_its_parameter_count_is_the_formula():
@@ -152,3 +157,45 @@ def test_megatron_lms_loop_trains_the_llama_choice_and_its_checkpoint_converts_e
     with torch.no_grad():
         diff = gpt(ids, torch.arange(32).expand_as(ids), attention_mask=None)[..., :data.vocab_size] - hf(ids).logits
     assert type(hf).__name__ == "LlamaForCausalLM" and diff.abs().max().item() < 1e-5
+
+
+def test_a_tensor_parallel_llama_in_megatron_lms_legacy_format_joins_gates_then_ups(tmp_path, tokenizer_dir):  # noqa: F811
+    """Review (issue 28): each TP rank's SwiGLU linear_fc1 is its own [gate_r; up_r]; joined rank after rank it
+    would give [g0; u0; g1; u1] and a wrong MLP of the right shape. Two mp_rank_XX files, as --ckpt-format torch writes."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.demos.megatron_lm_layout import mlm_args, write_legacy
+
+    cfg, tp = tiny_llama(), 2
+    gpt = proofs.randomized_model(cfg, seed=13)
+    sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    rows = cfg.padded_vocab_size(tp)
+    shards = [{} for _ in range(tp)]
+    for key, value in sd.items():
+        if key in llama.VOCAB_ROWS:
+            value = torch.cat([value, torch.randn(rows - value.shape[0], value.shape[1])])
+        if key.endswith("linear_fc1.weight"):
+            gate, up = value.chunk(2)
+            parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
+        elif key.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            parts = value.chunk(tp, 0)
+        elif key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            parts = value.chunk(tp, 1)
+        else:
+            parts = [value] * tp
+        for rank in range(tp):
+            shards[rank][key] = parts[rank].clone()
+    args = mlm_args(cfg, tokenizer_dir, tp, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                    add_bias_linear=False, group_query_attention=True, num_query_groups=2, ckpt_format="torch")
+    save = write_legacy(tmp_path / "save", shards, args)
+    conversion.convert_to_hf(save, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = tokens(vocab=VOCAB)
+    with torch.no_grad():
+        diff = gpt(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)[..., :VOCAB] - hf(ids).logits
+    assert diff.abs().max().item() < 1e-5
+    from helpers.learn import megatron_lm
+
+    for slipped in (dict(glu_linear_offset=1.0), dict(rotary_seq_len_interpolation_factor=2.0), dict(add_qkv_bias=True)):
+        with pytest.raises(conversion.ConversionError, match=next(iter(slipped))):
+            megatron_lm.metadata_from_args(mlm_args(cfg, tokenizer_dir, **{**vars(args), **slipped, "tensor_model_parallel_size": 1}))

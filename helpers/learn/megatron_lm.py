@@ -235,7 +235,11 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         "rotary_percent": is_llama and float(a.get("rotary_percent", 1.0)) != 1.0,
         "rotary_interleaved": is_llama and bool(a.get("rotary_interleaved")),
         "use_rope_scaling": is_llama and bool(a.get("use_rope_scaling")),
-        "add_position_embedding": a.get("add_position_embedding", True) is False,
+        "rotary_seq_len_interpolation_factor": a.get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0),
+        "no_rope_freq": a.get("no_rope_freq") is not None, "glu_linear_offset": bool(a.get("glu_linear_offset")),
+        "activation_func_clamp_value": a.get("activation_func_clamp_value") is not None,
+        "add_qkv_bias": bool(a.get("add_qkv_bias")),
+        "add_position_embedding": a.get("add_position_embedding", True) is False and not is_llama,
         "squared_relu": bool(a.get("squared_relu")),
         "quick_geglu": bool(a.get("quick_geglu")), "gated_linear_unit": bool(a.get("gated_linear_unit")) and not is_llama,
         "kv_channels": a.get("kv_channels") not in (None, hidden // heads if hidden and heads else None),
@@ -353,13 +357,15 @@ def megatron_core_names(model: Mapping[str, Any], checkpoint_version: float, num
     return out
 
 
-def merge_tensor_parallel(shards: list[dict[str, Any]], where: str) -> dict[str, Any]:
+def merge_tensor_parallel(shards: list[dict[str, Any]], where: str, *, swiglu: bool = False) -> dict[str, Any]:
     """Per-rank state dicts (megatron-core names, rank order) as one TP=1 state dict.
 
     Column-parallel weights (``linear_qkv``, ``linear_fc1``, word embeddings, output layer;
     each rank holds whole heads, so concatenating ``linear_qkv`` keeps ``[heads, 3, head_dim]``)
     are concatenated along dim 0, row-parallel ones (``linear_proj``, ``linear_fc2`` weights)
-    along dim 1; the rest must be equal on every rank. Non-tensors are rank 0's.
+    along dim 1; the rest must be equal on every rank. Non-tensors are rank 0's. With ``swiglu`` each
+    rank's ``linear_fc1`` is its own ``[gate_r; up_r]`` (megatron-core ``MLP.glu`` chunks the local
+    output): the gates are joined, then the ups (Megatron-LM ``tools/checkpoint/loader_mcore.py``).
 
     Raises:
         ConversionError: ranks with different keys, or a replicated tensor that differs.
@@ -373,6 +379,9 @@ def merge_tensor_parallel(shards: list[dict[str, Any]], where: str) -> dict[str,
         dim = next((d for pattern, d in _TP_DIM if pattern.search(key)), None)
         if len(shards) == 1 or not torch.is_tensor(first) or key.endswith("_extra_state"):  # FP8 state differs per rank
             out[key] = first
+        elif swiglu and "linear_fc1." in key:
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[key] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         elif dim is not None:
             out[key] = torch.cat(parts, dim)
         elif all(torch.equal(p, first) for p in parts[1:]):
@@ -419,7 +428,8 @@ def _read_torch(path: Path, meta: dict[str, Any] | None, weights_only: bool):
     shards = [megatron_core_names((first if i == 0 else safe_load.load_pickle(f, weights_only=weights_only))["model"], version,
                                   int(meta["num_attention_heads"]) // tp) for i, f in enumerate(files)]
     non_model = sorted(k for k in first if k not in _DESCRIPTIVE)
-    return merge_tensor_parallel(shards, str(path)), meta, first.get("iteration"), non_model, version
+    return (merge_tensor_parallel(shards, str(path), swiglu=bool(meta.get("swiglu"))), meta, first.get("iteration"),
+            non_model, version)
 
 
 def read_common_state(folder: str | os.PathLike, *, weights_only: bool = True) -> dict[str, Any]:

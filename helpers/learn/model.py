@@ -132,7 +132,7 @@ class ModelConfig:
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: pick heads that divide the width"
             )
-        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+        if self.seq_length > self.max_position_embeddings:  # Megatron-LM's validate_args asserts it with RoPE too
             raise ValueError(
                 f"seq_length={self.seq_length} is above max_position_embeddings="
                 f"{self.max_position_embeddings}: the learned position table has no row for "
@@ -142,7 +142,8 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         """MLP width: ``ffn_hidden_size``, else 4 x hidden_size, or with SwiGLU 8h/3 rounded up to a
-        multiple of 64 (its three matrices then hold the 8h^2 parameters of GELU's two; LLaMA's rule)."""
+        multiple of 64 (its three matrices then hold about the 8h^2 parameters of GELU's two; LLaMA
+        rounds 8h/3 up to a multiple of 256, Megatron-LM's default down to 64; the flag is always given)."""
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
         return -(-8 * self.hidden_size // 3 // 64) * 64 if self.swiglu else 4 * self.hidden_size

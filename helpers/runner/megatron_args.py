@@ -208,8 +208,12 @@ def arguments(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[str]:
     if cpu:
         for flag, value, _ in _cpu_flags(cfg):
             out += [flag] if value is None else [flag, value]
-    elif cfg.layer_spec == "local":
-        out += ["--transformer-impl", "local"]
+    else:
+        from helpers.learn.model import transformer_engine_available
+
+        local = cfg.layer_spec == "local" or not transformer_engine_available()
+        out += ["--transformer-impl", "local"] if cfg.layer_spec == "local" else []
+        out += ["--no-rope-fusion"] if local and cfg.model.position_embedding_type == "rope" else []  # fused RoPE is TE's
     return out
 
 
