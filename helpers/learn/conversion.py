@@ -274,8 +274,8 @@ def check_architecture(meta: Mapping[str, Any], state_dict: Mapping[str, Any] | 
     if r:
         raise ConversionError(
             "this checkpoint is not a GPT-2 architecture and cannot become a transformers GPT2LMHeadModel:\n  - "
-            + "\n  - ".join(r) + "\nConvert it to a model class that has these features "
-            "(e.g. LlamaForCausalLM for RoPE + RMSNorm + SwiGLU + GQA).")
+            + "\n  - ".join(r) + "\nA Llama (all of RoPE, RMSNorm, SwiGLU, no biases, untied embeddings) converts to "
+            "LlamaForCausalLM: its metadata says architecture='llama' (helpers.learn.model.ARCHITECTURES).")
 
 
 def _expected_keys(names, num_layers: int, tied: bool) -> list[str]:
