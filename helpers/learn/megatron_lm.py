@@ -238,7 +238,7 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         "rotary_seq_len_interpolation_factor": a.get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0),
         "no_rope_freq": a.get("no_rope_freq") is not None, "glu_linear_offset": bool(a.get("glu_linear_offset")),
         "activation_func_clamp_value": a.get("activation_func_clamp_value") is not None,
-        "add_qkv_bias": bool(a.get("add_qkv_bias")),
+        "add_qkv_bias": is_llama and bool(a.get("add_qkv_bias")),  # Megatron-LM sets it with add_bias_linear (GPT-2)
         "add_position_embedding": a.get("add_position_embedding", True) is False and not is_llama,
         "squared_relu": bool(a.get("squared_relu")),
         "quick_geglu": bool(a.get("quick_geglu")), "gated_linear_unit": bool(a.get("gated_linear_unit")) and not is_llama,
