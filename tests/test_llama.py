@@ -199,3 +199,5 @@ def test_a_tensor_parallel_llama_in_megatron_lms_legacy_format_joins_gates_then_
     for slipped in (dict(glu_linear_offset=1.0), dict(rotary_seq_len_interpolation_factor=2.0), dict(add_qkv_bias=True)):
         with pytest.raises(conversion.ConversionError, match=next(iter(slipped))):
             megatron_lm.metadata_from_args(mlm_args(cfg, tokenizer_dir, **{**vars(args), **slipped, "tensor_model_parallel_size": 1}))
+    gpt2 = model_lib.profile("cpu", num_layers=2, vocab_size=VOCAB)  # Megatron-LM sets add_qkv_bias with add_bias_linear
+    assert megatron_lm.metadata_from_args(mlm_args(gpt2, tokenizer_dir, add_qkv_bias=True))["architecture"] == "gpt2"
