@@ -363,32 +363,19 @@ def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None =
             of micro-batch x DP (the rest are gradient-accumulation micro-batches).
 
     Raises:
-        ValueError: TP does not divide the attention heads, the hidden size or the MLP width;
+        ValueError: TP does not divide the attention heads, the hidden size, the key/value heads or the MLP width;
             PP is larger than (or does not divide) the number of layers; the world size is
             not TP x PP x DP; the global batch is not a multiple of micro-batch x DP. The
             message names the values and the fix.
     """
     tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
-    if model.num_attention_heads % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide num_attention_heads={model.num_attention_heads}: "
-            f"each TP rank computes whole heads. Use a TP size among {divisors(model.num_attention_heads)}."
-        )
-    if model.hidden_size % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide hidden_size={model.hidden_size}: the row-parallel "
-            f"layers split the hidden dimension. Use a TP size among {divisors(model.hidden_size)}."
-        )
-    if model.query_groups % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide num_query_groups={model.query_groups}: each TP rank "
-            f"holds whole key/value heads. Use a TP size among {divisors(model.query_groups)}."
-        )
-    if model.ffn_size % tp:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide the MLP width ffn_hidden_size={model.ffn_size}: "
-            f"use a TP size among {divisors(model.ffn_size)}."
-        )
+    for size, name, why in ((model.num_attention_heads, "num_attention_heads", "each TP rank computes whole heads"),
+                            (model.hidden_size, "hidden_size", "the row-parallel layers split the hidden dimension"),
+                            (model.query_groups, "num_query_groups", "each TP rank holds whole key/value heads"),
+                            (model.ffn_size, "ffn_hidden_size", "the MLP's columns are split across the TP ranks")):
+        if size % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={size}: {why}. "
+                             f"Use a TP size among {divisors(size)}.")
     if pp > model.num_layers:
         raise ValueError(
             f"pipeline_model_parallel_size={pp} is larger than num_layers={model.num_layers}: a pipeline stage "
