@@ -23,6 +23,6 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
   are unpickled by ``helpers.support.safe_load``).
 * ``conversion`` (06): megatron-core <-> transformers GPT-2, one weight map both ways.
   ``llama``: the same for the Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention)
-  <-> ``LlamaForCausalLM``.
+  <-> ``LlamaForCausalLM``; ``weight_names``: the layer templates and key accounting both maps use.
 * ``evaluation`` (07): bits per byte against gzip, sampling, syntax validity, pass@k.
 """

@@ -64,6 +64,7 @@ from helpers.support import results, safe_load
 from helpers.support.environment import package_version
 from helpers.support.safe_load import ConversionError  # the error of every reader below the converter
 from helpers.learn.model import GELU_HF_NAME, ModelConfig
+from helpers.learn.weight_names import check_keys, layer_template
 
 #: Tokenizer files copied into the transformers folder (what ``AutoTokenizer`` reads offline).
 TOKENIZER_FILES: tuple[str, ...] = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
@@ -111,15 +112,8 @@ _TE_LAYERNORM_NAMES: dict[str, str] = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
-_LAYER_RE = re.compile(r"^(decoder\.layers|transformer\.h)\.(\d+)\.(.+)$")
 #: Linear layers whose bias a GPT-2 needs (``add_bias_linear=True``).
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-
-
-def _template(key: str) -> tuple[str, int | None]:
-    """``decoder.layers.3.mlp.linear_fc1.bias`` -> ``("decoder.layers.{}.mlp.linear_fc1.bias", 3)``."""
-    m = _LAYER_RE.match(key)
-    return (f"{m[1]}.{{}}.{m[3]}", int(m[2])) if m else (key, None)
 
 
 def _weight_template(name: str) -> str:
@@ -128,7 +122,7 @@ def _weight_template(name: str) -> str:
     Raises:
         ConversionError: no such weight; the message lists the templates.
     """
-    if (template := _template(name)[0]) in WEIGHT_MAP:
+    if (template := layer_template(name)[0]) in WEIGHT_MAP:
         return template
     raise ConversionError(f"{name!r} is no megatron-core GPT weight: pass one of the WEIGHT_MAP keys {list(WEIGHT_MAP)}")
 
@@ -290,15 +284,8 @@ def _expected_keys(names, num_layers: int, tied: bool) -> list[str]:
 
 
 def _account(found: set[str], expected: list[str], allowed_extra: set[str], what: str) -> None:
-    unknown, missing = sorted(found - set(expected) - allowed_extra), [k for k in expected if k not in found]
-    if unknown or missing:
-        lines = [f"{what}: the keys do not match a GPT-2 megatron-core model ({len(expected)} weight keys expected)."]
-        if unknown:
-            lines.append(f"  unknown keys ({len(unknown)}): {unknown}")
-        if missing:
-            lines.append(f"  missing keys ({len(missing)}): {missing}")
-        lines.append("Nothing was converted. Check num_layers / tied embeddings in the model config, or the checkpoint's origin.")
-        raise ConversionError("\n".join(lines))
+    check_keys(found, expected, what, "a GPT-2 megatron-core model",
+               "Check num_layers / tied embeddings in the model config, or the checkpoint's origin.", allowed_extra)
 
 
 def _normalize_megatron_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -378,7 +365,7 @@ def megatron_to_hf_state_dict(state_dict: Mapping[str, Any], model_config: Model
                               f"{vocab} entries: this checkpoint was trained with another tokenizer")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        template, layer = _template(key)
+        template, layer = layer_template(key)
         if not (tied and template == "output_layer.weight"):
             out[WEIGHT_MAP[template].format(layer)] = tensor_to_hf(template, tensor, heads, vocab)
     if tied:
@@ -405,14 +392,14 @@ def hf_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], num_att
     """
     sd = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in hf_state_dict.items()}
     sd = {k: v for k, v in sd.items() if not re.match(r"^transformer\.h\.\d+\.attn\.(masked_)?bias$", k)}
-    layers = [layer for k in sd if (layer := _template(k)[1]) is not None]
+    layers = [layer for k in sd if (layer := layer_template(k)[1]) is not None]
     _account(set(sd), _expected_keys(HF_WEIGHT_MAP, max(layers, default=-1) + 1, tied),
              {"lm_head.weight"} if tied else set(), "transformers GPT-2 state dict")
     if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"]):
         raise ConversionError("lm_head.weight differs from transformer.wte.weight but tied=True: pass tied=False")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in sd.items():
-        template, layer = _template(key)
+        template, layer = layer_template(key)
         if not (tied and template == "lm_head.weight"):
             name = HF_WEIGHT_MAP[template]
             out[name.format(layer)] = tensor_to_megatron(name, tensor, num_attention_heads, padded_vocab_size)

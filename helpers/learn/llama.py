@@ -29,6 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
+from helpers.learn.weight_names import check_keys, layer_template
 from helpers.support.safe_load import ConversionError
 
 #: megatron-core ``GPTModel`` name (local spec) -> ``LlamaForCausalLM`` name(s); ``{}`` is the layer.
@@ -110,10 +111,10 @@ def megatron_to_llama_state_dict(state_dict: Mapping[str, torch.Tensor], meta: M
     heads, groups = int(meta["num_attention_heads"]), int(meta.get("num_query_groups") or meta["num_attention_heads"])
     vocab = int(vocab_size if vocab_size is not None else meta["vocab_size"])
     expected = {t.format(i) for t in LLAMA_WEIGHT_MAP for i in range(int(meta["num_layers"]))}
-    _account(set(state_dict), expected, "megatron-core Llama state dict")
+    _account(state_dict, expected, "megatron-core Llama state dict")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
-        template, layer = _template(key)
+        template, layer = layer_template(key)
         names = LLAMA_WEIGHT_MAP[template]
         if "linear_qkv" in template:
             parts = split_qkv(tensor, heads, groups)
@@ -141,11 +142,11 @@ def llama_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], num_
         for i, name in enumerate(hf if isinstance(hf, tuple) else (hf,)):
             inverse[name] = (mc, i)
     sd = {k: v for k, v in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    layers = {layer for k in sd if (layer := _template(k)[1]) is not None}
-    _account(set(sd), {t.format(i) for t in inverse for i in range(max(layers, default=-1) + 1)}, "transformers Llama state dict")
+    layers = {layer for k in sd if (layer := layer_template(k)[1]) is not None}
+    _account(sd, {t.format(i) for t in inverse for i in range(max(layers, default=-1) + 1)}, "transformers Llama state dict")
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in sd.items():
-        template, layer = _template(key)
+        template, layer = layer_template(key)
         mc, i = inverse[template]
         parts.setdefault(mc.format(layer), {})[i] = tensor
     out = {}
@@ -185,19 +186,6 @@ def llama_config(meta: Mapping[str, Any], *, vocab_size: int | None = None, eod_
         bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id, architectures=["LlamaForCausalLM"])
 
 
-def _template(key: str) -> tuple[str, int | None]:
-    """``decoder.layers.3.mlp.linear_fc1.weight`` -> ``("decoder.layers.{}.mlp.linear_fc1.weight", 3)`` (either side's names)."""
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit() and parts[i - 1] == "layers":
-            return ".".join(parts[:i] + ["{}"] + parts[i + 1:]), int(part)
-    return key, None
-
-
-def _account(found: set[str], expected: set[str], what: str) -> None:
-    unknown, missing = sorted(found - expected), sorted(expected - found)
-    if unknown or missing:
-        raise ConversionError(f"{what}: the keys do not match a Llama of this shape ({len(expected)} weight keys expected)."
-                              + (f"\n  unknown keys ({len(unknown)}): {unknown[:12]}" if unknown else "")
-                              + (f"\n  missing keys ({len(missing)}): {missing[:12]}" if missing else "")
-                              + "\nNothing was converted. Check num_layers, num_query_groups and the checkpoint's origin.")
+def _account(found, expected: set[str], what: str) -> None:
+    check_keys(found, sorted(expected), what, "a Llama of this shape",
+               "Check num_layers, num_query_groups and the checkpoint's origin.")
