@@ -26,6 +26,10 @@ Run (from the repository root)::
     python -m bench.recipe                                   # the built-in candidates
     python -m bench.recipe --candidate lr4e-3:lr=4e-3 --candidate wide:hidden_size=320
     python -m bench.recipe --run-dir runs/recipe-v4096 --vocab-size 4096 --only baseline
+    python -m bench.recipe --run-dir runs/architectures --architectures --repeats 2   # GPT-2 vs Llama, A B B A
+
+``--architectures`` (issue 28) trains notebook 03's recipe as GPT-2 and as the Llama of the same size and
+FLOPs per token, and records each run's training and validation curves with the seconds per iteration.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "h192-s128-gbs4-1000it": {"hidden_size": 192, "seq_length": 128, "global_batch_size": 4, "train_iters": 1000,
                               "lr_warmup_iters": 100},
 }
+#: Issue 28's comparison: notebook 03's recipe as GPT-2 and as the Llama of the same size and FLOPs per token
+#: (``helpers.learn.model.PROFILES["cpu-llama"]``), validation loss every 100 iterations for the curves.
+NOTEBOOK_03 = {**CANDIDATES["h192-s128-gbs4-1000it"], "eval_interval": 100}
+ARCHITECTURE_CANDIDATES: dict[str, dict[str, Any]] = {"gpt2": NOTEBOOK_03, "llama": {**NOTEBOOK_03, "architecture": "llama"}}
 #: What the overrides apply to: the cpu recipe before the sweep (4 layers, 4 heads, micro-batch 4).
 BASE: dict[str, Any] = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 256,
                         "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 200, "lr": 2e-3, "min_lr": 2e-4,
@@ -104,15 +112,19 @@ def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, se
     from helpers.runner import launch
     from helpers.learn import training_config
 
+    from helpers.learn import model as model_lib
+
     settings = {**BASE, **overrides}
-    model = {k: settings[k] for k in MODEL_FIELDS}
+    architecture = settings.pop("architecture", "gpt2")  # gpt2: the cpu model; llama: cpu-llama, the same size
+    model = {**model_lib.profile({"gpt2": "cpu", "llama": "cpu-llama"}[architecture]).to_dict(),
+             **{k: settings[k] for k in MODEL_FIELDS}}
     rest = {k: v for k, v in settings.items() if k not in MODEL_FIELDS}
     iters, seq = rest.pop("train_iters"), model["seq_length"]
+    rest = {"eval_interval": iters, "save_interval": iters, "log_interval": 10, **rest}
     cfg = training_config.profile(
         "cpu", str(out_dir / name), data_prefix=str(paths.data_prefix), tokenizer_dir=str(paths.tokenizer_dir),
-        split=paths.split, train_iters=iters, lr_decay_iters=iters, eval_interval=iters, save_interval=iters,
-        log_interval=10,
-        model={"vocab_size": paths.vocab_size, "max_position_embeddings": seq, **model}, **rest)
+        split=paths.split, train_iters=iters, lr_decay_iters=iters,
+        model={**model, "vocab_size": paths.vocab_size, "max_position_embeddings": seq}, **rest)
     load_before = common.load_average()
     started = time.perf_counter()
     result = launch.train(cfg, timeout_s=3600, progress=False)
@@ -121,7 +133,10 @@ def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, se
     row = {"candidate": name, "overrides": overrides, "train_wall_s": wall, "cached": result.skipped,
            "s_per_iter": cfg.global_batch_size * cfg.model.seq_length / s["tokens_per_s"],
            "tokens_seen": iters * cfg.global_batch_size * cfg.model.seq_length, "valid_loss": s["final_valid_loss"],
-           "load_before": load_before}
+           "load_before": load_before, "architecture": cfg.model.architecture,
+           "num_parameters": model_lib.count_parameters(cfg.model), "flops_per_token": model_lib.flops_per_token(cfg.model),
+           "train_curve": [{k: r[k] for k in ("iteration", "lm_loss", "s_per_iter")} for r in result.metrics["train"]],
+           "valid_curve": [{k: r[k] for k in ("iteration", "lm_loss")} for r in result.metrics["valid"] if r["when"] == "during"]}
     row |= judge(cfg.checkpoint_path, paths, sets)
     row["load_after"] = common.load_average()
     return row
@@ -136,11 +151,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:key=value,key=value (notebook 03's parameter names); repeat; default: the built-in list")
     parser.add_argument("--only", default=None, help="comma-separated names of built-in candidates to run")
     parser.add_argument("--vocab-size", type=int, default=8192, help="notebook 01's vocab_size for the data (default 8192)")
+    parser.add_argument("--architectures", action="store_true",
+                        help="issue 28: notebook 03's recipe as GPT-2 and as Llama (ARCHITECTURE_CANDIDATES)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the candidates this often, in alternating order (A B, B A, ...), named NAME-rN after the first")
     args = parser.parse_args(argv)
     out_dir = Path(args.run_dir).resolve()
-    candidates = dict(CANDIDATES)
+    built_in = {**CANDIDATES, **ARCHITECTURE_CANDIDATES}
+    candidates = dict(ARCHITECTURE_CANDIDATES if args.architectures else CANDIDATES)
     if args.only:
-        candidates = {k: CANDIDATES[k] for k in args.only.split(",")}
+        candidates = {k: built_in[k] for k in args.only.split(",")}
     if args.candidate:
         candidates = {}
         for text in args.candidate:
@@ -150,9 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     sets = held_out_sets(paths)
     print(f"unseen set: {len(sets['unseen'])} files, {sum(len(t.encode()) for t in sets['unseen']):,} bytes; "
           f"validation set: {len(sets['valid'])} documents", flush=True)
-    rows = []
-    for name, overrides in candidates.items():
-        rows.append(run_candidate(name, overrides, out_dir, paths, sets))
+    rows, order = [], []
+    for r in range(args.repeats):
+        names = list(candidates) if r % 2 == 0 else list(reversed(candidates))
+        order += [(n, n if r == 0 else f"{n}-r{r + 1}") for n in names]
+    for base_name, name in order:
+        rows.append(run_candidate(name, candidates[base_name], out_dir, paths, sets))
         r = rows[-1]
         print(f"{name}: {r['train_wall_s']:.0f} s, {r['s_per_iter']:.3f} s/iter, valid loss {r['valid_loss']:.3f}, "
               f"unseen {r['unseen_bpb']:.3f} bits/byte (gzip {r['unseen_gzip_bpb']:.3f}), syntax {r['syntax_validity']:.2f}, "

@@ -1,5 +1,6 @@
 """Issue 28 (first steps): a Llama-style GPT in megatron-core on a CPU, and its exact conversion to
-``LlamaForCausalLM`` and back (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied)."""
+``LlamaForCausalLM`` and back (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, the output
+layer untied or tied)."""
 
 from __future__ import annotations
 
@@ -19,20 +20,24 @@ pytestmark = [pytest.mark.trains, pytest.mark.timeout(300)]
 
 def tiny_llama(**overrides) -> model_lib.ModelConfig:
     base = dict(num_layers=2, hidden_size=48, num_attention_heads=4, num_query_groups=2, seq_length=32,
-                max_position_embeddings=32, vocab_size=VOCAB, **model_lib.ARCHITECTURES["llama"])
+                max_position_embeddings=32, vocab_size=VOCAB, share_embeddings_and_output_weights=False,
+                **model_lib.ARCHITECTURES["llama"])
     return model_lib.ModelConfig(**{**base, **overrides})
 
 
 def test_the_llama_profile_is_the_cpu_model_with_todays_blocks():
     gpt2, lam = model_lib.profile("cpu"), model_lib.profile("cpu-llama")
     assert (gpt2.architecture, lam.architecture, tiny_llama(add_bias_linear=True).architecture) == ("gpt2", "llama", "custom")
-    assert lam.ffn_size == 512 and 3 * lam.hidden_size * lam.ffn_size == 2 * gpt2.hidden_size * gpt2.ffn_size  # SwiGLU keeps 8h^2
-    parts = model_lib.layer_parameters(lam)
-    assert parts["qkv"] == 192 * (4 + 2 * 2) * 48 and parts["norms"] == 2 * 192 and parts["fc1"] == 2 * 512 * 192
+    assert model_lib.profile("cpu-llama", ffn_hidden_size=None).ffn_size == 512  # SwiGLU's 8h/3 keeps GELU's 8h^2:
+    assert 3 * 192 * 512 == 2 * gpt2.hidden_size * gpt2.ffn_size
+    parts = model_lib.layer_parameters(lam)  # and 576 = 512 + 64 spends what GQA saves: 3 x 192 x 64 = 2 x 96 x 192
+    assert parts["qkv"] == 192 * (4 + 2 * 2) * 48 and parts["norms"] == 2 * 192 and parts["fc1"] == 2 * 576 * 192
+    assert sum(parts.values()) == 4 * 192 ** 2 + 3 * 192 * 576 - 2 * 96 * 192 + 2 * 192
     assert model_lib.count_parameters(lam) == model_lib.count_parameters(gpt2) - 128 * 192 - 4 * (
-        sum(model_lib.layer_parameters(gpt2).values()) - sum(parts.values())) - 192 + 8192 * 192
+        sum(model_lib.layer_parameters(gpt2).values()) - sum(parts.values())) - 192  # no position table, no norm biases
+    assert model_lib.flops_per_token(lam) == model_lib.flops_per_token(gpt2)  # the same multiplies per token
     meta = lam.to_metadata()
-    assert (meta["hf_activation_function"], meta["num_query_groups"], meta["tied_embeddings"]) == ("silu", 2, False)
+    assert (meta["hf_activation_function"], meta["num_query_groups"], meta["tied_embeddings"]) == ("silu", 2, True)
     with pytest.raises(ValueError, match=r"num_query_groups=3 must divide num_attention_heads=4.*\[1, 2, 4\]"):
         tiny_llama(num_query_groups=3)
     with pytest.raises(ValueError, match="normalization='rms'"):
@@ -57,17 +62,19 @@ def test_a_llama_trains_on_a_cpu_and_its_parameter_count_is_the_formula():
     assert torch.isfinite(loss) and all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpt.parameters())
 
 
-def test_a_llama_converts_to_llamaforcausallm_with_the_same_logits_and_back_bit_for_bit(tmp_path, tokenizer_dir):  # noqa: F811
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_llama_converts_to_llamaforcausallm_with_the_same_logits_and_back_bit_for_bit(tmp_path, tokenizer_dir, tied):  # noqa: F811
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    cfg = tiny_llama()
+    cfg = tiny_llama(share_embeddings_and_output_weights=tied)
     gpt = proofs.randomized_model(cfg, seed=7)
     meta = {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir)}
     mc = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     folder = checkpointing.save_model(gpt, tmp_path / "ckpt", 3, meta)
     result = conversion.convert_to_hf(folder, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert isinstance(hf, LlamaForCausalLM) and (hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (2, False)
+    assert isinstance(hf, LlamaForCausalLM) and (hf.config.num_key_value_heads, hf.config.tie_word_embeddings) == (2, tied)
+    assert ("output_layer.weight" in mc) is not tied and (hf.lm_head.weight is hf.model.embed_tokens.weight) is tied
     assert json.loads((tmp_path / "hf" / "conversion.json").read_text())["architecture"] == "LlamaForCausalLM"
     assert result.vocab_size == VOCAB and result.padded_rows_removed == cfg.padded_vocab_size() - VOCAB
     ids = tokens(vocab=VOCAB)
@@ -75,13 +82,17 @@ def test_a_llama_converts_to_llamaforcausallm_with_the_same_logits_and_back_bit_
         ours = gpt(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)[..., :VOCAB]
         theirs = hf(ids).logits
     assert (ours - theirs).abs().max().item() < 1e-5
-    back = llama.llama_to_megatron_state_dict(hf.state_dict(), 4, 2, cfg.padded_vocab_size())
+    back = llama.llama_to_megatron_state_dict(hf.state_dict(), 4, 2, cfg.padded_vocab_size(), tied=tied)
     assert set(back) == set(mc)
     for key, tensor in mc.items():
         rows = VOCAB if key in llama.VOCAB_ROWS else tensor.shape[0]  # Megatron's padding rows are not a token
         assert torch.equal(back[key][:rows], tensor[:rows]), key
-    assert torch.equal(back["output_layer.weight"][VOCAB:], mc["output_layer.weight"][VOCAB - 1].expand(
+    assert torch.equal(back["embedding.word_embeddings.weight"][VOCAB:], mc["embedding.word_embeddings.weight"][VOCAB - 1].expand(
         cfg.padded_vocab_size() - VOCAB, -1))  # padding repeats the last row
+    if tied:  # an lm_head of its own is not a tied model
+        untied = {**hf.state_dict(), "lm_head.weight": hf.lm_head.weight + 1}
+        with pytest.raises(conversion.ConversionError, match="lm_head.weight differs from model.embed_tokens.weight"):
+            llama.llama_to_megatron_state_dict(untied, 4, 2, cfg.padded_vocab_size(), tied=True)
 
 
 def test_the_qkv_split_follows_megatron_cores_groups_and_the_converter_refuses_the_other_architecture():

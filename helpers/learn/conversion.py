@@ -268,7 +268,7 @@ def check_architecture(meta: Mapping[str, Any], state_dict: Mapping[str, Any] | 
     if r:
         raise ConversionError(
             "this checkpoint is not a GPT-2 architecture and cannot become a transformers GPT2LMHeadModel:\n  - "
-            + "\n  - ".join(r) + "\nA Llama (all of RoPE, RMSNorm, SwiGLU, no biases, untied embeddings) converts to "
+            + "\n  - ".join(r) + "\nA Llama (all of RoPE, RMSNorm, SwiGLU, no biases) converts to "
             "LlamaForCausalLM: its metadata says architecture='llama' (helpers.learn.model.ARCHITECTURES).")
 
 

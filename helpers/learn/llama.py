@@ -2,7 +2,7 @@
 
 The converter of :mod:`helpers.learn.conversion` for the ``llama`` architecture
 (:data:`helpers.learn.model.ARCHITECTURES`): RoPE, RMSNorm, SwiGLU, grouped-query attention, no
-biases, untied embeddings. Both models are ``nn.Linear`` throughout, so no weight is transposed;
+biases; the output layer tied to the word embeddings or not (``tie_word_embeddings``). Both models are ``nn.Linear`` throughout, so no weight is transposed;
 what differs is how two fused matrices are cut:
 
 * ``linear_qkv.weight`` ``[(heads + 2g) * d, h]`` holds, for each of the g key/value groups in
@@ -78,14 +78,13 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
 def check_llama(meta: Mapping[str, Any]) -> None:
     """Refuse a model ``LlamaForCausalLM`` cannot hold exactly, naming every reason.
 
-    A Llama here is: rotary position embeddings, RMSNorm, a SwiGLU MLP, no linear biases, untied
-    embeddings (``meta``: ``ModelConfig.to_metadata()`` or what the checkpoint's args give).
+    A Llama here is: rotary position embeddings, RMSNorm, a SwiGLU MLP, no linear biases, the output
+    layer tied or not (``meta``: ``ModelConfig.to_metadata()`` or what the checkpoint's args give).
 
     Raises:
         ConversionError: the reasons, one per line.
     """
-    wanted = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
-              "tied_embeddings": False}
+    wanted = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False}
     r = [f"{k}={meta.get(k)!r} (a Llama has {v!r})" for k, v in wanted.items() if meta.get(k) != v]
     if r:
         raise ConversionError("this checkpoint is not a Llama architecture and cannot become a transformers "
@@ -102,16 +101,24 @@ def megatron_to_llama_state_dict(state_dict: Mapping[str, torch.Tensor], meta: M
         vocab_size: rows to keep of the embeddings (the tokenizer's size); default ``meta["vocab_size"]``.
 
     Returns:
-        ``{transformers name: tensor}``, contiguous copies, the input's dtype.
+        ``{transformers name: tensor}``, contiguous copies, the input's dtype; when
+        ``meta["tied_embeddings"]``, ``lm_head.weight`` is ``embed_tokens`` (as ``state_dict()`` lists it).
 
     Raises:
-        ConversionError: not a Llama (:func:`check_llama`); unknown or missing keys (listed); QKV shapes.
+        ConversionError: not a Llama (:func:`check_llama`); unknown or missing keys (listed); QKV shapes;
+            a tied model whose ``output_layer.weight`` differs from its word embeddings.
     """
     check_llama(meta)
     heads, groups = int(meta["num_attention_heads"]), int(meta.get("num_query_groups") or meta["num_attention_heads"])
     vocab = int(vocab_size if vocab_size is not None else meta["vocab_size"])
-    expected = {t.format(i) for t in LLAMA_WEIGHT_MAP for i in range(int(meta["num_layers"]))}
-    _account(state_dict, expected, "megatron-core Llama state dict")
+    tied = bool(meta.get("tied_embeddings"))
+    expected = {t.format(i) for t in LLAMA_WEIGHT_MAP for i in range(int(meta["num_layers"]))} - ({"output_layer.weight"} if tied else set())
+    _account(state_dict, expected, "megatron-core Llama state dict", {"output_layer.weight"} if tied else set())
+    if tied and "output_layer.weight" in state_dict:
+        if not torch.equal(state_dict["output_layer.weight"], state_dict["embedding.word_embeddings.weight"]):
+            raise ConversionError("the model config says the output layer is tied to the word embeddings, but "
+                                  "output_layer.weight differs from them: set share_embeddings_and_output_weights=False")
+        state_dict = {k: v for k, v in state_dict.items() if k != "output_layer.weight"}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
         template, layer = layer_template(key)
@@ -124,26 +131,34 @@ def megatron_to_llama_state_dict(state_dict: Mapping[str, torch.Tensor], meta: M
             parts, names = (tensor[:vocab] if template in VOCAB_ROWS else tensor,), (names,)
         for name, part in zip(names, parts):
             out[name.format(layer)] = part.clone(memory_format=torch.contiguous_format)
+    if tied:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
 def llama_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], num_attention_heads: int,
-                                 num_query_groups: int, padded_vocab_size: int) -> dict[str, torch.Tensor]:
+                                 num_query_groups: int, padded_vocab_size: int, *, tied: bool = False) -> dict[str, torch.Tensor]:
     """Inverse of :func:`megatron_to_llama_state_dict`: ``GPTModel.state_dict()`` weights, TP=1.
 
     The embeddings get ``padded_vocab_size`` rows, the padding repeating the last row (Megatron-LM
-    ``tools/checkpoint/saver_mcore.py``).
+    ``tools/checkpoint/saver_mcore.py``). ``tied``: the model ties ``lm_head`` to ``embed_tokens``
+    (``model.state_dict()`` still lists it; it must equal them) and megatron-core gets no ``output_layer``.
 
     Raises:
-        ConversionError: unknown or missing keys (listed).
+        ConversionError: unknown or missing keys (listed); ``tied`` with an ``lm_head.weight`` of its own.
     """
     inverse = {}
     for mc, hf in LLAMA_WEIGHT_MAP.items():
         for i, name in enumerate(hf if isinstance(hf, tuple) else (hf,)):
             inverse[name] = (mc, i)
     sd = {k: v for k, v in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if tied and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise ConversionError("lm_head.weight differs from model.embed_tokens.weight but tied=True: pass tied=False")
+        del sd["lm_head.weight"]
     layers = {layer for k in sd if (layer := layer_template(k)[1]) is not None}
-    _account(sd, {t.format(i) for t in inverse for i in range(max(layers, default=-1) + 1)}, "transformers Llama state dict")
+    _account(sd, {t.format(i) for t in inverse for i in range(max(layers, default=-1) + 1)} - ({"lm_head.weight"} if tied else set()),
+             "transformers Llama state dict")
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in sd.items():
         template, layer = layer_template(key)
@@ -180,12 +195,12 @@ def llama_config(meta: Mapping[str, Any], *, vocab_size: int | None = None, eod_
         num_attention_heads=int(meta["num_attention_heads"]),
         num_key_value_heads=int(meta.get("num_query_groups") or meta["num_attention_heads"]),
         max_position_embeddings=int(meta["max_position_embeddings"]), rms_norm_eps=float(meta["layernorm_epsilon"]),
-        rope_theta=float(meta.get("rotary_base", 10000)), hidden_act="silu", tie_word_embeddings=False,
+        rope_theta=float(meta.get("rotary_base", 10000)), hidden_act="silu", tie_word_embeddings=bool(meta.get("tied_embeddings")),
         attention_bias=False, mlp_bias=False, attention_dropout=float(meta.get("attention_dropout", 0.0)),
         initializer_range=float(meta.get("init_method_std", 0.02)),
         bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id, architectures=["LlamaForCausalLM"])
 
 
-def _account(found, expected: set[str], what: str) -> None:
+def _account(found, expected: set[str], what: str, allowed_extra: set[str] = frozenset()) -> None:
     check_keys(found, sorted(expected), what, "a Llama of this shape",
-               "Check num_layers, num_query_groups and the checkpoint's origin.")
+               "Check num_layers, num_query_groups, tied embeddings and the checkpoint's origin.", allowed_extra)

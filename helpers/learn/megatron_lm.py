@@ -196,8 +196,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     nor a Llama (:data:`helpers.learn.model.ARCHITECTURES`) can hold.
 
     A Llama's arguments are all of ``--position-embedding-type rope``, ``--normalization RMSNorm``,
-    ``--swiglu``, ``--disable-bias-linear`` and ``--untie-embeddings-and-output-weights`` (with or
-    without ``--group-query-attention``); one of them without the others is neither model.
+    ``--swiglu`` and ``--disable-bias-linear`` (with or without ``--group-query-attention`` and
+    ``--untie-embeddings-and-output-weights``); one of them without the others is neither model.
 
     Args:
         args: the checkpoint's ``args`` (``argparse.Namespace`` or a dict of its attributes).
@@ -223,7 +223,7 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
                               "of the trained model; Python only)")
     rope = a.get("position_embedding_type") == "rope" or bool(a.get("use_rotary_position_embeddings"))
     is_llama = (rope and a.get("normalization") == "RMSNorm" and bool(a.get("swiglu"))
-                and a.get("add_bias_linear", True) is False and bool(a.get("untie_embeddings_and_output_weights")))
+                and a.get("add_bias_linear", True) is False)
     refuse = {  # argument: True when its value is one neither GPT-2 nor (for the first group) a Llama can express
         "position_embedding_type": a.get("position_embedding_type", "learned_absolute") != "learned_absolute" and not is_llama,
         "use_rotary_position_embeddings": bool(a.get("use_rotary_position_embeddings")) and not is_llama,
@@ -261,8 +261,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         raise ConversionError(
             f"the checkpoint's args describe a model neither GPT-2 nor a Llama can represent: {', '.join(bad)} (GPT-2 is "
             "learned absolute positions, LayerNorm with bias, a GELU MLP without gate, biases everywhere, one key/value "
-            "head per query head; a Llama is all of rotary positions, RMSNorm, SwiGLU, no biases and untied embeddings, "
-            "with any number of key/value heads). Convert it with a tool that knows these features.")
+            "head per query head; a Llama is all of rotary positions, RMSNorm, SwiGLU and no biases, "
+            "with any number of key/value heads, its output layer tied or not). Convert it with a tool that knows these features.")
     padded = a.get("padded_vocab_size")
     tp = int(a.get("tensor_model_parallel_size") or a.get("model_parallel_size") or 1)  # before 3.0: model_parallel_size
     multiple = int(a.get("make_vocab_size_divisible_by") or 128) * tp

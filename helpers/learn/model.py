@@ -9,8 +9,8 @@ Two architectures, each a set of Megatron-LM's own arguments (:data:`ARCHITECTUR
   2.2): rotary position embeddings (Su et al. 2021, arXiv:2104.09864), RMSNorm (Zhang and
   Sennrich 2019), a SwiGLU MLP (Shazeer 2020, arXiv:2002.05202) of about 8h/3 so that it keeps
   the 8h^2 parameters of a 4h GELU MLP, grouped-query attention (Ainslie et al. 2023,
-  arXiv:2305.13245), no linear biases, untied input and output embeddings. It converts to
-  ``LlamaForCausalLM``.
+  arXiv:2305.13245), no linear biases; input and output embeddings untied (Llama 2 and 3) or tied
+  (Llama 3.2's small models, and the ``cpu-llama`` profile). It converts to ``LlamaForCausalLM``.
 
 Everything a converter needs (shape, padded vocab size, *which* activation, the position
 embedding, the normalisation, query groups, tied-ness) is in :meth:`ModelConfig.to_metadata`.
@@ -35,12 +35,14 @@ GELU_HF_NAME = {"erf": "gelu", "tanh": "gelu_new"}
 CORE_ATTENTIONS = ("sdpa", "unfused")
 
 #: The two architectures as ModelConfig fields (Megatron-LM's ``--position-embedding-type``,
-#: ``--normalization``, ``--swiglu``, ``--disable-bias-linear``, ``--untie-embeddings-and-output-weights``).
+#: ``--normalization``, ``--swiglu``, ``--disable-bias-linear``). Tying the output layer to the word
+#: embeddings (``--untie-embeddings-and-output-weights`` unties) is not part of either: GPT-2 ties, Llama
+#: 2 and 3 untie, Llama 3.2's 1B and 3B tie; both converters handle both.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gpt2": {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
-             "add_bias_linear": True, "share_embeddings_and_output_weights": True},
+             "add_bias_linear": True},
     "llama": {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
-              "add_bias_linear": False, "share_embeddings_and_output_weights": False},
+              "add_bias_linear": False},
 }
 
 
@@ -206,6 +208,29 @@ class ModelConfig:
         }
 
 
+def architecture_fields(name: str, hidden_size: int, num_attention_heads: int, num_query_groups: int = 0) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of architecture ``name`` for a model of this width, the Llama
+    sized to hold as many weights (and multiply as many per token) as the GPT-2 of the same width.
+
+    For ``"llama"``: :data:`ARCHITECTURES` ``["llama"]``, ``num_query_groups`` key/value heads
+    (0: half the heads) and an MLP width f with ``3 h f = 8 h^2 + 2 h (heads - g) d``: SwiGLU's
+    three matrices hold GELU's two (f = 8h/3) plus the key/value weights grouped-query attention
+    saves (Llama 2 70B likewise widened its MLP when it took GQA); rounded up to a multiple of 64.
+    For ``"gpt2"``: :data:`ARCHITECTURES` ``["gpt2"]`` (the MLP is 4h).
+
+    Raises:
+        ValueError: an unknown ``name`` (the choices are listed).
+    """
+    if name not in ARCHITECTURES:
+        raise ValueError(f"architecture={name!r} is unknown: choose one of {sorted(ARCHITECTURES)}")
+    if name == "gpt2":
+        return dict(ARCHITECTURES["gpt2"])
+    groups = num_query_groups or max(1, num_attention_heads // 2)
+    saved = 2 * hidden_size * (num_attention_heads - groups) * (hidden_size // num_attention_heads)
+    ffn = -(-(8 * hidden_size ** 2 + saved) // (3 * hidden_size) // 64) * 64
+    return {**ARCHITECTURES["llama"], "num_query_groups": groups, "ffn_hidden_size": ffn}
+
+
 #: Model profiles. ``cpu``: trains in about 3 minutes on 2 cores. ``codeparrot-small``: the
 #: CodeParrot guide's 110M model (12 layers, hidden 768, 12 heads, seq 1024, dropout 0.1,
 #: GPT-2 BPE of 32,768 tokens in the guide's own tokenizer).
@@ -213,9 +238,10 @@ PROFILES: dict[str, ModelConfig] = {
     # notebook 03's defaults: chosen with bench/recipe.py for the most learning in 2-3 CPU minutes
     "cpu": ModelConfig(num_layers=4, hidden_size=192, num_attention_heads=4, seq_length=128,
                        max_position_embeddings=128, vocab_size=8192),
-    # the same size as a Llama: ffn 512 keeps the MLP's parameters, 2 key/value heads for 4 query heads
+    # the cpu model as the Llama of the same size (architecture_fields): 2 key/value heads for 4 query heads, MLP
+    # width 576; the output layer tied as in Llama 3.2 1B (untied it would add V x h = 1.57M weights, +46 %)
     "cpu-llama": ModelConfig(num_layers=4, hidden_size=192, num_attention_heads=4, seq_length=128,
-                             max_position_embeddings=128, vocab_size=8192, num_query_groups=2, **ARCHITECTURES["llama"]),
+                             max_position_embeddings=128, vocab_size=8192, **architecture_fields("llama", 192, 4, 2)),
     "codeparrot-small": ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
                                     seq_length=1024, max_position_embeddings=1024,
                                     vocab_size=32768, hidden_dropout=0.1, attention_dropout=0.1,
