@@ -137,7 +137,8 @@ def test_a_llama_megatron_lm_wrote_converts_from_its_args(tmp_path, tokenizer_di
     with torch.no_grad():
         diff = (gpt(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)[..., :VOCAB] - hf(ids).logits)
     assert diff.abs().max().item() < 1e-5
-    half = mlm_args(cfg, tokenizer_dir, position_embedding_type="rope", normalization="RMSNorm")  # a Llama's parts, not all
+    gpt2 = model_lib.profile("cpu", num_layers=2, vocab_size=VOCAB)
+    half = mlm_args(gpt2, tokenizer_dir, position_embedding_type="rope", normalization="RMSNorm")  # a Llama's parts, not all
     with pytest.raises(conversion.ConversionError, match="neither GPT-2 nor a Llama.*position_embedding_type='rope'"):
         megatron_lm.metadata_from_args(half)
 

@@ -11,6 +11,7 @@ import pytest
 
 from helpers.learn import encoders, preprocess
 from helpers.runner import series
+from helpers.support import results
 
 NOTEBOOKS = series.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
@@ -175,6 +176,27 @@ def test_series_runs_end_to_end(series_run):
         nb = _read(run_dir / "executed" / f"{stem}.ipynb")
         errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
         assert not errors
+
+
+@pytest.mark.slow
+def test_the_default_is_the_llama_and_the_guides_gpt2_still_trains_and_converts(series_run, tmp_path):
+    """Issue 28: notebook 03's default is the Llama (section 3.2's measurement), converted by notebook 06 to a
+    LlamaForCausalLM; architecture="gpt2", the guide's model and the gpu profiles', still trains in 03 and
+    converts in 06 to a GPT2LMHeadModel with every proof (smoke size, its own run folder)."""
+    run_dir, _, summary = series_run
+    s03 = summary["03_training"]
+    assert s03["architecture"] == "llama" and s03["rope_relative_spread"] < 1e-4
+    assert s03["kv_cache_bytes_per_token"]["llama"] * 2 == s03["kv_cache_bytes_per_token"]["gpt2"]  # 2 of 4 heads
+    assert json.loads((run_dir / "hf_model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    runs = series.run("smoke", {"architecture": "gpt2"}, run_dir=tmp_path / "gpt2", only=["03", "06"])
+    assert [r.stem for r in runs][-2:] == ["03_training", "06_conversion"]  # after notebook 01, which 03 requires
+    gpt2 = results.load_summary(tmp_path / "gpt2")
+    assert gpt2["03_training"]["architecture"] == "gpt2" and gpt2["03_training"]["script_losses_equal"] is True
+    s06 = gpt2["06_conversion"]
+    assert s06["standalone_converter_bit_identical"] is True and s06["greedy_tokens_equal"] is True
+    assert s06["max_abs_logit_diff"] < 1e-4 and s06["tp2_bit_identical"] is True
+    assert s06["megatron_lm_legacy_bit_identical"] is True and s06["round_trip_bit_identical"] is True
+    assert json.loads((tmp_path / "gpt2" / "hf_model" / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
 
 
 @pytest.mark.slow

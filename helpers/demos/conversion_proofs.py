@@ -1,7 +1,8 @@
 """Notebook 06's proofs that the conversion is exact, and its pictures.
 
 * section 2: :func:`legacy_converter_report` (why the guide's 2022 command does not apply);
-* section 3: :func:`qkv_layout_figure`, :func:`qkv_head_table` (the QKV permutation, drawn and checked);
+* section 3: :func:`qkv_rows`, :func:`qkv_order`, :func:`qkv_layout_figure`, :func:`qkv_head_table` (the QKV
+  layouts of GPT-2 and of a Llama with grouped-query attention, drawn and checked);
 * section 5: :func:`tokenizer_files_identical`;
 * section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_scatter_figure`,
   :func:`validation_tokens` (the same logits);
@@ -94,58 +95,101 @@ def legacy_converter_report(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 # =========================================================================== section 3: the QKV permutation
-def qkv_head_table(weight: torch.Tensor, num_heads: int) -> list[dict[str, Any]]:
-    """Where each head's q, k and v rows of a ``linear_qkv`` weight ``[3h, h]`` land in GPT-2's ``c_attn``.
+def qkv_rows(num_heads: int, head_dim: int, num_query_groups: int | None = None) -> list[tuple[str, int, int]]:
+    """What each row of megatron-core's ``linear_qkv.weight`` holds: ``(part, head or group, dim)``.
+
+    Per key/value group, its ``heads / g`` query heads, then its key head, then its value head
+    (``SelfAttention.get_query_key_value_tensors``); with one group per head (GPT-2) that is each
+    head's ``q, k, v`` in turn. Sorting the rows by ``(part, index, dim)`` gives transformers' order:
+    all queries, then all keys, then all values (GPT-2's ``c_attn``, Llama's ``q_proj | k_proj | v_proj``).
+    """
+    groups = num_query_groups or num_heads
+    per_group = num_heads // groups
+    rows: list[tuple[str, int, int]] = []
+    for group in range(groups):
+        for head in range(group * per_group, (group + 1) * per_group):
+            rows += [("q", head, x) for x in range(head_dim)]
+        rows += [("k", group, x) for x in range(head_dim)] + [("v", group, x) for x in range(head_dim)]
+    return rows
+
+
+def qkv_order(num_heads: int, head_dim: int, num_query_groups: int | None = None) -> list[int]:
+    """The megatron-core row of each transformers row (GPT-2: each ``c_attn`` column), in transformers' order."""
+    rows = qkv_rows(num_heads, head_dim, num_query_groups)
+    return sorted(range(len(rows)), key=lambda i: ("qkv".index(rows[i][0]), rows[i][1], rows[i][2]))
+
+
+def qkv_head_table(weight: torch.Tensor, num_heads: int, num_query_groups: int | None = None) -> list[dict[str, Any]]:
+    """Where each head's q, k and v rows of a ``linear_qkv`` weight land in transformers.
+
+    Args:
+        weight: ``linear_qkv.weight`` ``[(heads + 2g) * d, h]`` (``[3h, h]`` without grouped-query attention).
+        num_heads, num_query_groups: query heads, key/value heads (``None``: one per query head).
 
     Returns:
-        One dict per (head, part): ``head``, ``part`` ("q"/"k"/"v"), ``megatron_rows`` and
-        ``gpt2_columns`` (``(first, last)`` inclusive), and ``equal``: the converted columns
-        (``conversion.tensor_to_hf``) hold exactly those rows, transposed.
+        One dict per (part, head or key/value group): ``head``, ``part`` ("q"/"k"/"v"),
+        ``megatron_rows`` and ``target_rows`` (``(first, last)`` inclusive), ``target`` (GPT-2:
+        ``"c_attn columns"``; Llama: ``"q_proj rows"``, ``"k_proj rows"``, ``"v_proj rows"``) and
+        ``equal``: the converted tensor (``conversion.tensor_to_hf``, transposed back; or
+        ``llama.split_qkv``) holds exactly those rows.
     """
-    c_attn = conversion.tensor_to_hf("decoder.layers.{}.self_attention.linear_qkv.weight", weight, num_heads)
+    from helpers.learn import llama
+
     h = weight.shape[1]
     d = h // num_heads
+    if num_query_groups:
+        parts = dict(zip("qkv", llama.split_qkv(weight, num_heads, num_query_groups)))
+    else:
+        c_attn = conversion.tensor_to_hf("decoder.layers.{}.self_attention.linear_qkv.weight", weight, num_heads).t()
+        parts = dict(zip("qkv", c_attn.split(h)))
+    rows = qkv_rows(num_heads, d, num_query_groups)
     table = []
-    for head in range(num_heads):
-        for part, name in enumerate("qkv"):
-            r0, c0 = head * 3 * d + part * d, part * h + head * d
-            table.append({"head": head, "part": name, "megatron_rows": (r0, r0 + d - 1), "gpt2_columns": (c0, c0 + d - 1),
-                          "equal": torch.equal(c_attn[:, c0:c0 + d], weight[r0:r0 + d].t())})
+    for part in "qkv":
+        for index in sorted({i for p, i, _ in rows if p == part}):
+            r0 = rows.index((part, index, 0))
+            target = "c_attn columns" if not num_query_groups else f"{part}_proj rows"
+            t0 = (("qkv".index(part) * h) if not num_query_groups else 0) + index * d
+            table.append({"head": index, "part": part, "megatron_rows": (r0, r0 + d - 1), "target": target,
+                          "target_rows": (t0, t0 + d - 1),
+                          "equal": torch.equal(parts[part][index * d:(index + 1) * d], weight[r0:r0 + d])})
     return table
 
 
-def qkv_layout_figure(num_heads: int = 3, head_dim: int = 2):
-    """A picture of the QKV permutation: which head and part (q/k/v) each row holds, before and after.
+def qkv_layout_figure(num_heads: int = 3, head_dim: int = 2, num_query_groups: int | None = None):
+    """A picture of the QKV layouts: which head and part (q/k/v) each row holds, before and after.
 
     Returns:
-        A matplotlib ``Figure`` with two labelled strips (megatron-core ``linear_qkv`` rows and
-        GPT-2 ``c_attn`` columns), colours = q/k/v, text = head number, arrows for head 0.
+        A matplotlib ``Figure`` with two labelled strips (megatron-core ``linear_qkv`` rows, and GPT-2
+        ``c_attn`` columns or, with ``num_query_groups``, Llama's ``q_proj | k_proj | v_proj`` rows),
+        colours = q/k/v, text = query head (``h``) or key/value group (``g``), arrows for the first head's rows.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    n = 3 * num_heads * head_dim
-    perm = conversion.qkv_row_permutation(num_heads, head_dim).tolist()
-    part_of = [(i // head_dim) % 3 for i in range(n)]
-    head_of = [i // (3 * head_dim) for i in range(n)]
-    colors = ["tab:blue", "tab:orange", "tab:green"]
+    rows = qkv_rows(num_heads, head_dim, num_query_groups)
+    order, n = qkv_order(num_heads, head_dim, num_query_groups), len(rows)
+    grouped = num_query_groups not in (None, num_heads)
+    label = lambda r: f"{'g' if grouped and r[0] != 'q' else 'h'}{r[1]}"
+    colors = {"q": "tab:blue", "k": "tab:orange", "v": "tab:green"}
+    target = "Llama q_proj | k_proj | v_proj rows" if num_query_groups else "GPT-2 c_attn columns"
     fig, ax = plt.subplots(figsize=(max(8.0, n * 0.45), 3.2))
-    for y, order, label in ((1.6, list(range(n)), "megatron-core linear_qkv rows"), (0.0, perm, "GPT-2 c_attn columns")):
-        for pos, src in enumerate(order):
-            ax.add_patch(plt.Rectangle((pos, y), 0.95, 0.8, color=colors[part_of[src]], alpha=0.85))
-            ax.text(pos + 0.47, y + 0.4, f"h{head_of[src]}", ha="center", va="center", fontsize=8, color="white")
-        ax.text(-0.4, y + 0.4, label, ha="right", va="center", fontsize=9)
-    for pos, src in enumerate(perm):
-        if head_of[src] == 0:
+    for y, sequence, name in ((1.6, list(range(n)), "megatron-core linear_qkv rows"), (0.0, order, target)):
+        for pos, src in enumerate(sequence):
+            ax.add_patch(plt.Rectangle((pos, y), 0.95, 0.8, color=colors[rows[src][0]], alpha=0.85))
+            ax.text(pos + 0.47, y + 0.4, label(rows[src]), ha="center", va="center", fontsize=8, color="white")
+        ax.text(-0.4, y + 0.4, name, ha="right", va="center", fontsize=9)
+    for pos, src in enumerate(order):
+        if rows[src][1] == 0:
             ax.annotate("", xy=(pos + 0.47, 0.82), xytext=(src + 0.47, 1.58),
                         arrowprops=dict(arrowstyle="->", color="0.3", lw=0.8))
     ax.set_xlim(-0.2, n + 0.2)
     ax.set_ylim(-0.3, 2.5)
     ax.set_yticks([])
     ax.set_xticks([i + 0.47 for i in range(n)], [str(i) for i in range(n)], fontsize=7)
-    ax.set_xlabel("row index in linear_qkv.weight / column index in c_attn.weight (rows of width hidden size)")
-    ax.set_title(f"QKV layout: {num_heads} heads x head dim {head_dim} (arrows: head 0)")
-    ax.legend(handles=[Patch(color=c, label=p) for c, p in zip(colors, ("query", "key", "value"))],
+    ax.set_xlabel("row index (rows of width hidden size)")
+    ax.set_title(f"QKV rows: {num_heads} query heads, {num_query_groups or num_heads} key/value heads, head dim {head_dim} "
+                 f"(arrows: {'head 0 and group 0' if grouped else 'head 0'})")
+    ax.legend(handles=[Patch(color=c, label=p) for c, p in zip(colors.values(), ("query", "key", "value"))],
               loc="upper center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, -0.28))
     for spine in ("left", "right", "top"):
         ax.spines[spine].set_visible(False)

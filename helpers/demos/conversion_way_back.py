@@ -1,7 +1,8 @@
-"""Notebook 06 sections 12-13: the way back, transformers GPT-2 -> megatron-core checkpoint, and training on.
+"""Notebook 06 sections 12-13: the way back, transformers -> megatron-core checkpoint, and training on.
 
-:func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` folder as a torch_dist checkpoint
-of the model (``helpers.learn.conversion.hf_to_megatron_state_dict``, the weight map inverted, then
+:func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` folder as a
+torch_dist checkpoint of the model (``helpers.learn.conversion.hf_to_megatron_state_dict`` or
+``helpers.learn.llama.llama_to_megatron_state_dict``, the weight map inverted, then
 ``helpers.learn.checkpointing.model_from_checkpoint`` and ``save_model``);
 :func:`continuation_config` is the ``TrainingConfig`` whose Megatron-LM run starts from it
 (``--pretrained-checkpoint``: the weights, a fresh optimizer, iteration 0). Command line::
@@ -9,7 +10,8 @@ of the model (``helpers.learn.conversion.hf_to_megatron_state_dict``, the weight
     python -m helpers.demos.conversion_way_back HF_DIR CHECKPOINT_DIR [--iteration N] [--overwrite]
 
 Sources: Megatron-LM ``tools/checkpoint/saver_mcore.py`` (vocabulary padding repeats the last
-row), ``megatron/training/checkpointing.py`` (the layout); transformers ``models/gpt2/configuration_gpt2.py``.
+row), ``megatron/training/checkpointing.py`` (the layout); transformers ``models/gpt2/configuration_gpt2.py``,
+``models/llama/configuration_llama.py``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ import argparse
 import os
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
-from helpers.learn import checkpointing, conversion
+from helpers.learn import checkpointing, conversion, llama
 from helpers.support.environment import package_version
-from helpers.learn.model import ModelConfig
+from helpers.learn.model import ARCHITECTURES, ModelConfig
 
 #: transformers activation names back to the GELU they compute.
 _HF_GELU = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 #: ModelConfig metadata that must agree between a transformers model and a training config.
-_MATCH_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-               "vocab_size", "padded_vocab_size", "gelu", "layernorm_epsilon", "tied_embeddings")
+_MATCH_KEYS = ("architecture", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+               "max_position_embeddings", "vocab_size", "padded_vocab_size", "gelu", "layernorm_epsilon",
+               "tied_embeddings", "rotary_base")
 
 
 def _model_config_from_gpt2(config, *, make_vocab_size_divisible_by: int = 128, seq_length: int | None = None) -> ModelConfig:
@@ -59,10 +63,37 @@ def _model_config_from_gpt2(config, *, make_vocab_size_divisible_by: int = 128, 
     )
 
 
+def _model_config_from_llama(config, *, make_vocab_size_divisible_by: int = 128, seq_length: int | None = None) -> ModelConfig:
+    """The :class:`~helpers.learn.model.ModelConfig` of a transformers ``LlamaConfig``.
+
+    Raises:
+        helpers.learn.conversion.ConversionError: what megatron-core's Llama path here does not compute
+            (an activation other than SiLU, attention or MLP biases, RoPE scaling, a head size other than
+            ``hidden_size / heads``).
+    """
+    problems = [f"{name}={getattr(config, name, None)!r}" for name, ok in (
+        ("hidden_act", config.hidden_act == "silu"), ("attention_bias", not config.attention_bias),
+        ("mlp_bias", not getattr(config, "mlp_bias", False)),
+        ("rope_scaling", (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default") == "default"),
+        ("head_dim", getattr(config, "head_dim", None) in (None, config.hidden_size // config.num_attention_heads))) if not ok]
+    if problems:
+        raise conversion.ConversionError(f"LlamaConfig settings megatron-core's Llama here does not compute: {problems}")
+    theta = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000)
+    heads, groups = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    return ModelConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=heads,
+        num_query_groups=groups if groups != heads else None, seq_length=seq_length or config.max_position_embeddings,
+        max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size,
+        ffn_hidden_size=config.intermediate_size, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        attention_dropout=config.attention_dropout, init_method_std=config.initializer_range,
+        layernorm_epsilon=config.rms_norm_eps, rotary_base=int(theta),
+        share_embeddings_and_output_weights=bool(config.tie_word_embeddings), **ARCHITECTURES["llama"])
+
+
 def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
                               training_config=None, iteration: int = 0, overwrite: bool = False,
                               make_vocab_size_divisible_by: int = 128) -> Path:
-    """Write a transformers GPT-2 folder as a megatron-core torch_dist checkpoint (TP=1).
+    """Write a transformers GPT-2 or Llama folder as a megatron-core torch_dist checkpoint (TP=1).
 
     The checkpoint has Megatron's layout (``iter_NNNNNNN/``, ``latest_checkpointed_iteration.txt``)
     and holds the model only, with a ``model_config.json`` that says what it is (it has no
@@ -74,7 +105,7 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
     ``python -m``): megatron-core's torch_dist writer spawns a helper process.
 
     Args:
-        hf_dir: folder with ``config.json`` + weights of a ``GPT2LMHeadModel``, and
+        hf_dir: folder with ``config.json`` + weights of a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``, and
             optionally its tokenizer (recorded as ``tokenizer_dir`` when present).
         checkpoint_dir: the checkpoints folder to create.
         training_config: optional ``TrainingConfig`` that will train from it: its ``model`` must
@@ -88,7 +119,7 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
 
     Raises:
         FileExistsError: ``checkpoint_dir`` already holds a checkpoint and ``overwrite`` is False.
-        helpers.learn.conversion.ConversionError: not a GPT-2, unknown/missing keys, or a training
+        helpers.learn.conversion.ConversionError: neither a GPT-2 nor a Llama, unknown/missing keys, or a training
             config whose model differs.
     """
     import torch
@@ -98,10 +129,12 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
     if (ckpt_dir / checkpointing.TRACKER_FILE).exists() and not overwrite:
         raise FileExistsError(f"{ckpt_dir} already holds a checkpoint: pass overwrite=True or another checkpoint_dir")
     config = AutoConfig.from_pretrained(str(hf_dir))
-    if config.model_type != "gpt2":
-        raise conversion.ConversionError(f"{hf_dir} holds a {config.model_type!r} model; only GPT-2 (GPT2LMHeadModel) is supported")
+    readers = {"gpt2": _model_config_from_gpt2, "llama": _model_config_from_llama}
+    if config.model_type not in readers:
+        raise conversion.ConversionError(f"{hf_dir} holds a {config.model_type!r} model; only GPT-2 (GPT2LMHeadModel) "
+                                         "and Llama (LlamaForCausalLM) are supported")
     seq = training_config.model.seq_length if training_config is not None else None
-    cfg = _model_config_from_gpt2(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by, seq_length=seq)
+    cfg = readers[config.model_type](config, make_vocab_size_divisible_by=make_vocab_size_divisible_by, seq_length=seq)
     if training_config is not None:
         want, have = training_config.model.to_metadata(1), cfg.to_metadata(1)
         diffs = [f"{k}: training {want[k]!r} vs transformers {have[k]!r}" for k in _MATCH_KEYS if want[k] != have[k]]
@@ -109,8 +142,10 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
             raise conversion.ConversionError(f"training_config.model does not describe the transformers model in {hf_dir}: {diffs}")
         cfg = training_config.model
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    sd = conversion.hf_to_megatron_state_dict(hf.state_dict(), cfg.num_attention_heads, cfg.padded_vocab_size(1),
-                                              tied=cfg.share_embeddings_and_output_weights)
+    to_megatron = (partial(llama.llama_to_megatron_state_dict, num_query_groups=cfg.query_groups)
+                   if config.model_type == "llama" else conversion.hf_to_megatron_state_dict)
+    sd = to_megatron(hf.state_dict(), cfg.num_attention_heads, padded_vocab_size=cfg.padded_vocab_size(1),
+                     tied=cfg.share_embeddings_and_output_weights)
     meta = {**cfg.to_metadata(1), "iteration": iteration, "consumed_train_samples": 0,
             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1,
             "precision": "fp32", "layer_spec": "local", "checkpoint_format": "torch_dist",
@@ -167,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         0 on success, 2 on a conversion error (printed to stderr).
     """
     parser = argparse.ArgumentParser(prog="python -m helpers.demos.conversion_way_back",
-                                     description="transformers GPT-2 folder -> megatron-core checkpoint (model only)")
+                                     description="transformers GPT-2 or Llama folder -> megatron-core checkpoint (model only)")
     parser.add_argument("hf_dir")
     parser.add_argument("checkpoint_dir")
     parser.add_argument("--iteration", type=int, default=0)

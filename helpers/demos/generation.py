@@ -77,6 +77,6 @@ def greedy_generate_hf(hf_model, prompt_ids: Sequence[int], max_new_tokens: int)
         The new token ids (without the prompt).
     """
     inp = torch.tensor([list(prompt_ids)], device=next(hf_model.parameters()).device)
-    max_new = max(0, min(max_new_tokens, hf_model.config.n_positions - inp.shape[1]))
+    max_new = max(0, min(max_new_tokens, hf_model.config.max_position_embeddings - inp.shape[1]))
     out = hf_model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new, do_sample=False, num_beams=1)
     return out[0, inp.shape[1]:].tolist()

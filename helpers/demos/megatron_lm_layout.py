@@ -38,8 +38,8 @@ def mlm_args(cfg: model_lib.ModelConfig, tok_dir, tp: int = 1, era: str = "now",
         cfg: the model; ``tok_dir``: the tokenizer folder (``Path``; ``vocab_file`` and ``merge_file``
             point into it, as the guide's ``--vocab-file``/``--merge-file`` did).
         tp: tensor-parallel size (``padded_vocab_size`` is padded for it).
-        era: ``"2022"`` (the guide's Megatron-LM) or ``"now"`` (adds the arguments added since:
-            ``position_embedding_type``, ``normalization``, ``swiglu``, ``num_query_groups``...).
+        era: ``"2022"`` (the guide's Megatron-LM) or ``"now"`` (adds the arguments added since, from
+            ``cfg``: ``position_embedding_type``, ``normalization``, ``swiglu``, ``num_query_groups``...).
         overrides: any argument, e.g. ``position_embedding_type="rope"`` for a model GPT-2 cannot express.
 
     Returns:
@@ -61,9 +61,11 @@ def mlm_args(cfg: model_lib.ModelConfig, tok_dir, tp: int = 1, era: str = "now",
              tokenizer_type="GPT2BPETokenizer", vocab_file=str(tok_dir / "vocab.json"),
              merge_file=str(tok_dir / "merges.txt"), micro_batch_size=4, global_batch_size=8, lr=5e-4,
              exit_signal=signal.SIGTERM, data_path=["codeparrot_content_document"], iteration=5)
-    if era == "now":  # arguments that did not exist in 2022
-        a.update(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
-                 add_bias_linear=True, group_query_attention=False, num_query_groups=1, num_experts=None,
+    if era == "now":  # arguments that did not exist in 2022, as cfg sets them (GPT-2's, or a Llama's)
+        gqa = cfg.num_query_groups not in (None, cfg.num_attention_heads)
+        a.update(position_embedding_type=cfg.position_embedding_type, normalization=cfg.normalization, swiglu=cfg.swiglu,
+                 add_bias_linear=cfg.add_bias_linear, group_query_attention=gqa,
+                 num_query_groups=cfg.query_groups if gqa else 1, rotary_base=cfg.rotary_base, num_experts=None,
                  transformer_impl="transformer_engine", ckpt_format="torch", attention_backend=AttnBackend.auto,
                  model_type=ModelType.encoder_or_decoder)
     a.update(overrides)

@@ -136,9 +136,11 @@ class ModelConfig:
             )
         if self.seq_length > self.max_position_embeddings:  # Megatron-LM's validate_args asserts it with RoPE too
             raise ValueError(
-                f"seq_length={self.seq_length} is above max_position_embeddings="
-                f"{self.max_position_embeddings}: the learned position table has no row for "
-                "positions past it. Lower seq_length or raise max_position_embeddings."
+                f"seq_length={self.seq_length} is above max_position_embeddings={self.max_position_embeddings}: "
+                + ("the learned position table has no row for positions past it. Lower seq_length or raise "
+                   "max_position_embeddings." if self.position_embedding_type == "learned_absolute" else
+                   "rotary positions have no table, but Megatron-LM's validate_args asks for max_position_embeddings "
+                   ">= seq_length all the same: raise it (it costs no weights).")
             )
 
     @property
@@ -216,7 +218,7 @@ def architecture_fields(name: str, hidden_size: int, num_attention_heads: int, n
     (0: half the heads) and an MLP width f with ``3 h f = 8 h^2 + 2 h (heads - g) d``: SwiGLU's
     three matrices hold GELU's two (f = 8h/3) plus the key/value weights grouped-query attention
     saves (Llama 2 70B likewise widened its MLP when it took GQA); rounded up to a multiple of 64.
-    For ``"gpt2"``: :data:`ARCHITECTURES` ``["gpt2"]`` (the MLP is 4h).
+    For ``"gpt2"``: :data:`ARCHITECTURES` ``["gpt2"]``, one key/value head per query head, the MLP 4h.
 
     Raises:
         ValueError: an unknown ``name`` (the choices are listed).
@@ -224,7 +226,7 @@ def architecture_fields(name: str, hidden_size: int, num_attention_heads: int, n
     if name not in ARCHITECTURES:
         raise ValueError(f"architecture={name!r} is unknown: choose one of {sorted(ARCHITECTURES)}")
     if name == "gpt2":
-        return dict(ARCHITECTURES["gpt2"])
+        return {**ARCHITECTURES["gpt2"], "num_query_groups": None, "ffn_hidden_size": None}
     groups = num_query_groups or max(1, num_attention_heads // 2)
     saved = 2 * hidden_size * (num_attention_heads - groups) * (hidden_size // num_attention_heads)
     ffn = -(-(8 * hidden_size ** 2 + saved) // (3 * hidden_size) // 64) * 64

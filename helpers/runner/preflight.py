@@ -280,7 +280,8 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     """The preflight of notebook 03 run with ``parameters`` (its parameters cell's names and values).
 
     Every parameter named like a :class:`~helpers.learn.training_config.TrainingConfig` or
-    :class:`~helpers.learn.model.ModelConfig` field is used as such, on the training profile named by
+    :class:`~helpers.learn.model.ModelConfig` field is used as such, and ``architecture`` (with
+    ``num_query_groups``) as :func:`helpers.learn.model.architecture_fields`, on the training profile named by
     ``parameters["profile"]`` (``cpu`` for profiles that have none); the series runner calls
     this before the first notebook starts.
     """
@@ -293,6 +294,11 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     names = {f.name for f in dataclasses.fields(training_config.TrainingConfig)} - {"model", "run_dir"}
     model = {k: v for k, v in parameters.items() if k in model_names} | {"vocab_size": vocab_size}
     model["max_position_embeddings"] = model.get("seq_length", training_config.PROFILES[base].model.seq_length)
+    if "architecture" in parameters:  # as notebook 03's configuration cell adds them (groups only for a Llama)
+        base_model, _ = training_config.PROFILES[base].model, model.pop("num_query_groups", None)
+        model |= model_lib.architecture_fields(parameters["architecture"], model.get("hidden_size", base_model.hidden_size),
+                                               model.get("num_attention_heads", base_model.num_attention_heads),
+                                               parameters.get("num_query_groups", 0))
     settings = {k: v for k, v in parameters.items() if k in names}
     base_cfg = training_config.PROFILES[base]
     iters, warmup = settings.get("train_iters", base_cfg.train_iters), settings.get("lr_warmup_iters", base_cfg.lr_warmup_iters)
