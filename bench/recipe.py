@@ -57,7 +57,11 @@ CANDIDATES: dict[str, dict[str, Any]] = {
 #: Issue 28's comparison: notebook 03's recipe as GPT-2 and as the Llama of the same size and FLOPs per token
 #: (``helpers.learn.model.PROFILES["cpu-llama"]``), validation loss every 100 iterations for the curves.
 NOTEBOOK_03 = {**CANDIDATES["h192-s128-gbs4-1000it"], "eval_interval": 100}
-ARCHITECTURE_CANDIDATES: dict[str, dict[str, Any]] = {"gpt2": NOTEBOOK_03, "llama": {**NOTEBOOK_03, "architecture": "llama"}}
+#: ``llama-equal-time``: the Llama for the iterations that fit GPT-2's 1,000 in time, 880 = 1,000 x 0.0717 / 0.0816 s
+#: per iteration (the medians of the first comparison, bench/RESULTS.md 2026-12-04), with its own full cosine schedule.
+ARCHITECTURE_CANDIDATES: dict[str, dict[str, Any]] = {"gpt2": NOTEBOOK_03, "llama": {**NOTEBOOK_03, "architecture": "llama"},
+                                                      "llama-equal-time": {**NOTEBOOK_03, "architecture": "llama",
+                                                                           "train_iters": 880}}
 #: What the overrides apply to: the cpu recipe before the sweep (4 layers, 4 heads, micro-batch 4).
 BASE: dict[str, Any] = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 256,
                         "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 200, "lr": 2e-3, "min_lr": 2e-4,
