@@ -346,11 +346,6 @@ def python_version_of(python: str | os.PathLike, timeout_s: float = 60.0) -> tup
     return int(major), int(minor)
 
 
-def this_python() -> str:
-    """The interpreter running the benchmark (the project's venv)."""
-    return sys.executable
-
-
 @dataclass
 class SideStats:
     """Medians of one side over its repeats (seconds, bytes) plus the raw values."""
