@@ -18,7 +18,6 @@ import platform
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
