@@ -202,6 +202,25 @@ def uninterrupted(data, tmp_path_factory):
     return cfg, result
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_recomputation_trains_the_same_losses_and_gradients(uninterrupted, data, tmp_path, recompute):
+    """Issue 29, first step: recomputing activations in backward (Megatron-LM's --recompute-activations, or
+    --recompute-granularity full) repeats the forward's arithmetic, so every loss and gradient norm equals the
+    reference run's exactly; only memory and time change."""
+    from helpers.runner import megatron_args
+
+    cfg = tiny_config(data, tmp_path / recompute, recompute=recompute)
+    flags = megatron_args.arguments(cfg, cpu=True)
+    assert ("--recompute-activations" in flags) == (recompute == "selective")
+    assert (flags[flags.index("--recompute-granularity") + 1] == "full") if recompute == "full" else "--recompute-granularity" not in flags
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
+    ours = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]
+    reference = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in uninterrupted[1].metrics["iteration"]]
+    assert len(ours) == 12 and ours == reference
+    with pytest.raises(ValueError, match="recompute='some': choose one of 'none', 'selective', 'full'"):
+        tiny_config(data, tmp_path / "bad", recompute="some").check(world_size=1)
+
+
 def test_megatron_lms_loop_trains_and_records_everything(uninterrupted):
     cfg, result = uninterrupted
     s = result.summary

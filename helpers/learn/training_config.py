@@ -28,6 +28,8 @@ SUMMARY_FILE = "training_summary.json"
 #: samples and DDP switch); read back, they are dropped: none changes what Megatron-LM trains.
 _RETIRED_FIELDS = {"sample_interval", "sample_prompt", "sample_tokens", "use_megatron_ddp"}
 METRICS_FILE = "metrics.jsonl"
+#: Activation recomputation (``TrainingConfig.recompute``): Korthikanti et al. 2022, sections 4.4 and 5.
+RECOMPUTE = ("none", "selective", "full")
 #: What :meth:`TrainingConfig.check` accepts for a field declared so (a bool is no number here).
 _FIELD_TYPES = {"int": (Integral,), "int | None": (Integral, type(None)), "float": (Real,), "bool": (bool,),
                 "str | None": (str, type(None))}
@@ -52,6 +54,10 @@ class TrainingConfig:
     ``checkpoint_dir`` holds none yet (Megatron-LM's ``--pretrained-checkpoint``: iteration 0,
     a fresh optimizer). ``layer_spec`` picks ``--transformer-impl`` on a GPU (``"auto"``:
     Transformer Engine when installed); a CPU always runs megatron-core's local layers.
+    ``recompute``, activation recomputation (Korthikanti et al. 2022): ``"none"``, ``"selective"``
+    (attention's core recomputed in backward, ``--recompute-activations``) or ``"full"`` (each layer
+    recomputed from its input, ``--recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1``); the arithmetic is the same, so the losses are too.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -87,6 +93,7 @@ class TrainingConfig:
     layer_spec: str = "auto"
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
+    recompute: str = "none"
 
     # ----------------------------------------------------------------- derived paths
     @property
@@ -257,6 +264,8 @@ class TrainingConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
         resolve_precision(self.precision)
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(map(repr, RECOMPUTE))}")
         if not files:
             return dp
         prefix = self.data_prefix_path

@@ -152,6 +152,14 @@ FLAGS: tuple[Flag, ...] = (
          "model.num_query_groups below the heads: grouped-query attention"),
     Flag("--num-query-groups", lambda cfg: cfg.model.query_groups if cfg.model.query_groups < cfg.model.num_attention_heads
          else False, "model.num_query_groups"),
+    # activation recomputation (Korthikanti et al. 2022): memory for time, the same arithmetic
+    Flag("--recompute-activations", _switch(lambda cfg: cfg.recompute == "selective"),
+         "recompute='selective': attention's core recomputed in backward"),
+    Flag("--recompute-granularity", lambda cfg: "full" if cfg.recompute == "full" else False,
+         "recompute='full': each layer recomputed from its input"),
+    Flag("--recompute-method", lambda cfg: "uniform" if cfg.recompute == "full" else False, "recompute='full'"),
+    Flag("--recompute-num-layers", lambda cfg: 1 if cfg.recompute == "full" else False,
+         "recompute='full': one layer per recomputed chunk"),
     # new: what a run today asks for
     Flag("--data-cache-path", lambda cfg: cfg.run_path / "data" / "cache", "the GPTDataset index cache (notebook 02)"),
     Flag("--exit-signal-handler", lambda cfg: None, "SIGTERM: save a checkpoint, then exit"),

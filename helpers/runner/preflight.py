@@ -342,14 +342,17 @@ def summary(plan: Preflight) -> dict[str, Any]:
 #: TrainingConfig fields that do not change what a run trains (logging, saving, paths, resume flags).
 RUN_ONLY_FIELDS = {"run_dir", "data_prefix", "tokenizer_dir", "checkpoint_dir", "tensorboard_dir", "metrics_path",
                    "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
-                   "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"}
+                   "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
+                   "recompute"}  # recomputation changes memory and time, not the arithmetic
 
 
 def training_differences(cfg, saved: dict[str, Any], also_ignore: frozenset[str] = frozenset()) -> list[str]:
     """``"field: saved -> cfg"`` for every field outside :data:`RUN_ONLY_FIELDS` (and ``also_ignore``)
     in which ``cfg`` would train differently from a saved ``run.json`` (``saved``)."""
     ignored = RUN_ONLY_FIELDS | also_ignore
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in cfg.to_dict().items() if k not in ignored and saved.get(k) != v]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.default is not dataclasses.MISSING}
+    return [f"{k}: {saved.get(k, defaults.get(k))!r} -> {v!r}" for k, v in cfg.to_dict().items()
+            if k not in ignored and saved.get(k, defaults.get(k)) != v]  # a field older run.json files lack: its default
 
 
 def check_same_run(cfg, saved: dict[str, Any]) -> None:
