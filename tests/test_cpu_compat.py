@@ -107,7 +107,20 @@ def _original_code(module):
 
 
 #: Shims tested by their own test below: a function replaced, or a faster kernel rather than a failure.
-_OWN_TEST = {"clip_grad_by_total_norm", "warmup_jit", "fused_adamw"}
+_OWN_TEST = {"clip_grad_by_total_norm", "warmup_jit", "fused_adamw", "distrib_optimizer"}
+
+
+def test_the_distributed_optimizer_sees_cuda_types_only_inside_its_constructor():
+    """The shim of --use-distributed-optimizer: inside DistributedOptimizer.__init__ a CPU float tensor names
+    its CUDA type (the constructor sorts and refuses parameters by it); outside, types are untouched.
+    tests/test_training.py trains with it on two ranks."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    cpu_compat.apply()
+    assert DistributedOptimizer.__init__ is not cpu_compat._state["originals"][("distrib_optimizer", "__init__")]
+    with cpu_compat._tensor_type_reports_cuda():
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor" and torch.zeros(1, dtype=torch.int64).type() == "torch.LongTensor"
+    assert torch.zeros(1).type() == "torch.FloatTensor"
 
 
 @pytest.mark.parametrize("shim", [s for s in cpu_compat.SHIMS if s.name not in _OWN_TEST], ids=lambda s: s.name)

@@ -221,6 +221,21 @@ def test_activation_recomputation_trains_the_same_losses_and_gradients(uninterru
         tiny_config(data, tmp_path / "bad", recompute="some").check(world_size=1)
 
 
+def test_the_distributed_optimizer_on_two_ranks_trains_what_one_process_trains(uninterrupted, data, tmp_path):
+    """Issue 29: --use-distributed-optimizer (ZeRO-1) over gloo, DP=2: the gradients are reduce-scattered, each
+    rank keeps and steps half the optimizer state, the weights are all-gathered; every loss and gradient norm
+    equals the one-process run's (this small model's sums come out the same in either order of addition)."""
+    cfg = tiny_config(data, tmp_path / "zero1", use_distributed_optimizer=True)
+    assert "--use-distributed-optimizer" in __import__("helpers.runner.megatron_args", fromlist=["x"]).arguments(cfg, cpu=True)
+    result = launch.train(cfg, nproc_per_node=2, timeout_s=300, progress=False)
+    assert "Using reduce-scatter for gradient reductions" in (cfg.run_path / "training.log").read_text()
+    ours = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]
+    reference = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in uninterrupted[1].metrics["iteration"]]
+    assert len(ours) == 12
+    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(ours, reference):
+        assert loss == pytest.approx(ref_loss, abs=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5), it
+
+
 def test_megatron_lms_loop_trains_and_records_everything(uninterrupted):
     cfg, result = uninterrupted
     s = result.summary

@@ -58,6 +58,9 @@ class TrainingConfig:
     (attention's core recomputed in backward, ``--recompute-activations``) or ``"full"`` (each layer
     recomputed from its input, ``--recompute-granularity full --recompute-method uniform
     --recompute-num-layers 1``); the arithmetic is the same, so the losses are too.
+    ``use_distributed_optimizer``: the optimizer's state and fp32 weights sharded over the
+    data-parallel ranks (ZeRO-1, Rajbhandari et al. 2020; ``--use-distributed-optimizer``): gradients
+    reduce-scattered, each rank steps its shard, the weights all-gathered; the same arithmetic.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -94,6 +97,7 @@ class TrainingConfig:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     recompute: str = "none"
+    use_distributed_optimizer: bool = False
 
     # ----------------------------------------------------------------- derived paths
     @property

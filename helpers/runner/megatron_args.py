@@ -152,7 +152,9 @@ FLAGS: tuple[Flag, ...] = (
          "model.num_query_groups below the heads: grouped-query attention"),
     Flag("--num-query-groups", lambda cfg: cfg.model.query_groups if cfg.model.query_groups < cfg.model.num_attention_heads
          else False, "model.num_query_groups"),
-    # activation recomputation (Korthikanti et al. 2022): memory for time, the same arithmetic
+    # the memory savers: activation recomputation (Korthikanti et al. 2022), the distributed optimizer (ZeRO-1)
+    Flag("--use-distributed-optimizer", _switch(lambda cfg: cfg.use_distributed_optimizer),
+         "use_distributed_optimizer: optimizer state sharded over the data-parallel ranks"),
     Flag("--recompute-activations", _switch(lambda cfg: cfg.recompute == "selective"),
          "recompute='selective': attention's core recomputed in backward"),
     Flag("--recompute-granularity", lambda cfg: "full" if cfg.recompute == "full" else False,

@@ -14,8 +14,9 @@ Three kinds of patch are used, all scoped to megatron-core's own code:
   proxy of ``torch`` on which ``torch.cuda.current_device()`` is the CPU device,
   ``torch.cuda.current_stream()`` is the CPU stream, ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
   device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
-* **method wrapper**: one megatron-core method (:data:`METHOD_SHIMS`) runs with
-  ``Tensor.cuda()`` returning the tensor itself, only for the duration of that call.
+* **method wrapper**: a megatron-core method (:data:`METHOD_SHIMS`) runs, only for the duration
+  of that call, with ``Tensor.cuda()`` returning the tensor itself, or with ``Tensor.type()``
+  naming a CPU float tensor as its CUDA type (the distributed optimizer sorts parameters by it).
 * **function replacement**: a megatron function whose CUDA-only line is an assertion or a
   GPU warm-up is replaced by the same function without it (:data:`FUNCTION_SHIMS`).
 * **RNG tracker**: megatron-core's ``CudaRNGStatesTracker`` (tensor_parallel/random.py) keeps
@@ -307,6 +308,7 @@ WHEEL_SHIM = Shim("dataset_helpers", "megatron.core.datasets.utils",
 #: tensor itself (CPU), only for the duration of that call. {shim: (class name, method name)}.
 METHOD_SHIMS: dict[str, tuple[str, str]] = {
     "language_module": ("LanguageModule", "setup_embeddings_and_output_layer"),
+    "distrib_optimizer": ("DistributedOptimizer", "__init__"),
 }
 
 _METHOD_SHIM_LIST: tuple[Shim, ...] = (
@@ -314,6 +316,10 @@ _METHOD_SHIM_LIST: tuple[Shim, ...] = (
          {307: "weight.data.cuda()"},
          "with PP>1 and tied embeddings, the last stage's copy of the word embeddings is moved with "
          "weight.data.cuda() before the first/last-stage all-reduce"),
+    Shim("distrib_optimizer", "megatron.core.optimizer.distrib_optimizer",
+         {466: "model_param.type() == 'torch.cuda.FloatTensor'", 477: "raise TypeError("},
+         "the distributed optimizer (--use-distributed-optimizer) sorts the parameters it shards by "
+         "Tensor.type(), and refuses one that is not torch.cuda.Half/BFloat16/FloatTensor", proxy=None),
 )
 
 #: The RNG shim (not only a module proxy: a tracker class with CPU generator states).
@@ -505,6 +511,28 @@ def _tensor_cuda_is_identity() -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _tensor_type_reports_cuda() -> Iterator[None]:
+    """``Tensor.type()`` (no argument) names a CPU float tensor as its CUDA type: ``torch.cuda.FloatTensor``."""
+    original = torch.Tensor.type
+
+    def type_(self, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and name in ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+#: The context each method shim runs its method in.
+_METHOD_CONTEXTS = {"language_module": _tensor_cuda_is_identity, "distrib_optimizer": _tensor_type_reports_cuda}
+
+
 def _apply_methods() -> None:
     for shim in _METHOD_SHIM_LIST:
         cls_name, method = METHOD_SHIMS[shim.name]
@@ -512,8 +540,8 @@ def _apply_methods() -> None:
         original = getattr(cls, method)
         _state["originals"][(shim.name, method)] = original
 
-        def wrapped(self, *args: Any, __original=original, **kwargs: Any) -> Any:
-            with _tensor_cuda_is_identity():
+        def wrapped(self, *args: Any, __original=original, __context=_METHOD_CONTEXTS[shim.name], **kwargs: Any) -> Any:
+            with __context():
                 return __original(self, *args, **kwargs)
 
         wrapped.__name__ = method
