@@ -107,7 +107,27 @@ def _original_code(module):
 
 
 #: Shims tested by their own test below: a function replaced, or a faster kernel rather than a failure.
-_OWN_TEST = {"clip_grad_by_total_norm", "warmup_jit", "fused_adamw", "distrib_optimizer"}
+_OWN_TEST = {"clip_grad_by_total_norm", "warmup_jit", "fused_adamw", "distrib_optimizer", "torch_norm"}
+
+
+def test_torch_norms_build_under_sequence_parallelism_with_their_weights_marked():
+    """megatron-core refuses torch's norms under --sequence-parallel (torch_norm.py:50); the shim builds them
+    and marks their weights ``sequence_parallel``, so finalize_model_grads sums their gradients over the
+    tensor-parallel ranks (tests/test_training.py trains TP=2 with it)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                               use_cpu_initialization=True)
+    config.sequence_parallel = True  # as Megatron-LM sets it for TP > 1; the config's own checks want a TP group
+    cpu_compat.apply()
+    norm = WrappedTorchNorm(config, 8)
+    assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
+    original = cpu_compat._state["originals"][("torch_norm", "__new__")]
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
+        original(WrappedTorchNorm, config, 8)
+    config.sequence_parallel = False
+    assert not hasattr(WrappedTorchNorm(config, 8).weight, "sequence_parallel")
 
 
 def test_the_distributed_optimizer_sees_cuda_types_only_inside_its_constructor():

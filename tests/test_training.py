@@ -236,6 +236,21 @@ def test_the_distributed_optimizer_on_two_ranks_trains_what_one_process_trains(u
         assert loss == pytest.approx(ref_loss, abs=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5), it
 
 
+def test_sequence_parallelism_with_tp2_trains_what_one_process_trains(uninterrupted, data, tmp_path):
+    """Issue 29: --sequence-parallel at TP=2 (the norms and dropouts on each rank's half of the sequence, their
+    gradients summed over the ranks): every loss and gradient norm equals the one-process run's to float32
+    rounding (TP's partial sums are added in another order)."""
+    cfg = tiny_config(data, tmp_path / "sp", tensor_model_parallel_size=2, sequence_parallel=True)
+    result = launch.train(cfg, nproc_per_node=2, timeout_s=300, progress=False)
+    ours = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]
+    reference = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in uninterrupted[1].metrics["iteration"]]
+    assert len(ours) == 12
+    for (it, loss, norm), (_, ref_loss, ref_norm) in zip(ours, reference):
+        assert loss == pytest.approx(ref_loss, abs=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), it
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_model_parallel_size >= 2"):
+        tiny_config(data, tmp_path / "bad", sequence_parallel=True).check(world_size=1)
+
+
 def test_megatron_lms_loop_trains_and_records_everything(uninterrupted):
     cfg, result = uninterrupted
     s = result.summary

@@ -61,6 +61,8 @@ class TrainingConfig:
     ``use_distributed_optimizer``: the optimizer's state and fp32 weights sharded over the
     data-parallel ranks (ZeRO-1, Rajbhandari et al. 2020; ``--use-distributed-optimizer``): gradients
     reduce-scattered, each rank steps its shard, the weights all-gathered; the same arithmetic.
+    ``sequence_parallel`` (TP > 1): the norms, dropouts and residuals work on each tensor-parallel rank's
+    slice of the sequence (Korthikanti et al. 2022, section 4.2.2; ``--sequence-parallel``).
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -98,6 +100,7 @@ class TrainingConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     recompute: str = "none"
     use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
 
     # ----------------------------------------------------------------- derived paths
     @property
@@ -270,6 +273,9 @@ class TrainingConfig:
         resolve_precision(self.precision)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(map(repr, RECOMPUTE))}")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size >= 2: it splits the activations "
+                             "outside attention and the MLP over the tensor-parallel ranks")
         if not files:
             return dp
         prefix = self.data_prefix_path

@@ -16,7 +16,8 @@ Three kinds of patch are used, all scoped to megatron-core's own code:
   device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
 * **method wrapper**: a megatron-core method (:data:`METHOD_SHIMS`) runs, only for the duration
   of that call, with ``Tensor.cuda()`` returning the tensor itself, or with ``Tensor.type()``
-  naming a CPU float tensor as its CUDA type (the distributed optimizer sorts parameters by it).
+  naming a CPU float tensor as its CUDA type (the distributed optimizer sorts parameters by it); or
+  torch's norms are built under sequence parallelism with their weights marked for it.
 * **function replacement**: a megatron function whose CUDA-only line is an assertion or a
   GPU warm-up is replaced by the same function without it (:data:`FUNCTION_SHIMS`).
 * **RNG tracker**: megatron-core's ``CudaRNGStatesTracker`` (tensor_parallel/random.py) keeps
@@ -33,6 +34,7 @@ Usage (idempotent; a no-op when CUDA is available)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import warnings
 from dataclasses import dataclass
@@ -219,6 +221,13 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
          "local_multi_tensor_l2_norm, the gradient norm without Apex, returns it on device='cuda'"),
     Shim("schedules", "megatron.core.pipeline_parallel.schedules", {749: _CUDA, 1121: _CUDA, 2292: _CUDA},
          "every forward-backward schedule makes torch.zeros([], device='cuda'), even at PP=1"),
+    Shim("tensor_parallel_mappings", "megatron.core.tensor_parallel.mappings",
+         {95: _CUR, 145: _CUR, 152: _CUR, 185: _CUR, 447: _CUR},
+         "the all-gathers and reduce-scatters along the sequence (--sequence-parallel) allocate their outputs "
+         "on torch.cuda.current_device()"),
+    Shim("tensor_parallel_layers", "megatron.core.tensor_parallel.layers", {647: _CUR},
+         "under sequence parallelism the linear layers' backward all-gathers the input it saved sharded into a "
+         "buffer on torch.cuda.current_device()"),
     Shim("p2p_communication", "megatron.core.pipeline_parallel.p2p_communication",
          {211: _CUR, 215: _CUR, 219: _CUR, 223: _CUR, 263: _SYNC, 334: _CUR, 342: _CUR, 419: _SYNC},
          "pipeline send/receive buffers on torch.cuda.current_device() and torch.cuda.synchronize() (PP>1)"),
@@ -309,6 +318,7 @@ WHEEL_SHIM = Shim("dataset_helpers", "megatron.core.datasets.utils",
 METHOD_SHIMS: dict[str, tuple[str, str]] = {
     "language_module": ("LanguageModule", "setup_embeddings_and_output_layer"),
     "distrib_optimizer": ("DistributedOptimizer", "__init__"),
+    "torch_norm": ("WrappedTorchNorm", "__new__"),
 }
 
 _METHOD_SHIM_LIST: tuple[Shim, ...] = (
@@ -320,6 +330,11 @@ _METHOD_SHIM_LIST: tuple[Shim, ...] = (
          {466: "model_param.type() == 'torch.cuda.FloatTensor'", 477: "raise TypeError("},
          "the distributed optimizer (--use-distributed-optimizer) sorts the parameters it shards by "
          "Tensor.type(), and refuses one that is not torch.cuda.Half/BFloat16/FloatTensor", proxy=None),
+    Shim("torch_norm", "megatron.core.transformer.torch_norm",
+         {50: "assert not config.sequence_parallel"},
+         "without Apex and Transformer Engine the local spec's norms are torch's, which megatron-core refuses "
+         "under sequence parallelism (--sequence-parallel) because nothing marks their weights for the "
+         "tensor-parallel gradient sum; not a CUDA call, but no CPU has Apex or TE", proxy=None),
 )
 
 #: The RNG shim (not only a module proxy: a tracker class with CPU generator states).
@@ -529,8 +544,35 @@ def _tensor_type_reports_cuda() -> Iterator[None]:
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-#: The context each method shim runs its method in.
-_METHOD_CONTEXTS = {"language_module": _tensor_cuda_is_identity, "distrib_optimizer": _tensor_type_reports_cuda}
+def _within(context):
+    """A method wrapper that runs the method inside ``context``."""
+    def wrap(original):
+        def wrapped(self, *args: Any, **kwargs: Any) -> Any:
+            with context():
+                return original(self, *args, **kwargs)
+        return wrapped
+    return wrap
+
+
+def _norm_marks_sequence_parallel(original):
+    """``WrappedTorchNorm.__new__`` that builds torch's norm under sequence parallelism too, its weights marked
+    ``sequence_parallel`` as Apex's and Transformer Engine's norms mark theirs: each tensor-parallel rank then
+    normalises its own slice of the sequence, and ``finalize_model_grads`` sums the norm's gradients over them."""
+    def wrapped(cls, config, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False  # the assertion's reason is the missing mark, added below
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+    return wrapped
+
+
+#: How each method shim wraps its method.
+_METHOD_WRAPPERS = {"language_module": _within(_tensor_cuda_is_identity),
+                    "distrib_optimizer": _within(_tensor_type_reports_cuda), "torch_norm": _norm_marks_sequence_parallel}
 
 
 def _apply_methods() -> None:
@@ -539,11 +581,7 @@ def _apply_methods() -> None:
         cls = getattr(importlib.import_module(shim.module), cls_name)
         original = getattr(cls, method)
         _state["originals"][(shim.name, method)] = original
-
-        def wrapped(self, *args: Any, __original=original, __context=_METHOD_CONTEXTS[shim.name], **kwargs: Any) -> Any:
-            with __context():
-                return __original(self, *args, **kwargs)
-
+        wrapped = _METHOD_WRAPPERS[shim.name](original)
         wrapped.__name__ = method
         wrapped.__doc__ = original.__doc__
         setattr(cls, method, wrapped)
