@@ -375,3 +375,26 @@ def test_shards_on_real_tp2_ranks_match_the_formulas(base):
     assert [r["match"] for r in summary] == [True, True]
     table = results.markdown_table(rows)
     assert table.splitlines()[0].startswith("| parameter | full shape | rank 0 (tp0 pp0) | rank 1 (tp1 pp0) |")
+
+
+def test_the_interleaved_pipeline_trains_like_one_process_from_the_same_weights(tmp_path):
+    """Issue 29: PP=2 with two virtual stages per rank (--num-virtual-stages-per-pipeline-rank 2, the interleaved
+    1F1B schedule: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3), started from the one-process model's
+    initial weights: the per-iteration losses agree with one process to float tolerance."""
+    from dataclasses import replace
+
+    from helpers.runner import data_stage
+
+    data = data_stage.build_data(tmp_path, max_files=60, vocab_size=512, split="90,10,0", progress=False)
+    model = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                        vocab_size=data.vocab_size)
+    four = layout_runs.comparison_config(tmp_path, model=model, micro_batch_size=2, global_batch_size=4, train_iters=3,
+                                         split="90,10,0")
+    ref = layout_runs.run_layout(four, Layout(1, 1, 1), progress=False, timeout_s=300)
+    interleaved = replace(four, num_virtual_stages_per_pipeline_rank=2)
+    v2 = layout_runs.run_layout(interleaved, Layout(1, 2, 1), name="tp1_pp2_dp1_vp2", progress=False, timeout_s=300)
+    assert "--num-virtual-stages-per-pipeline-rank" in v2.command and len(v2.losses) == 3
+    row = layout_runs.compare_losses(ref, [v2])[0]
+    assert row["within_atol"], row
+    with pytest.raises(ValueError, match="needs at least 2 virtual stages on each of at least 2 pipeline ranks"):
+        replace(four, num_virtual_stages_per_pipeline_rank=3, pipeline_model_parallel_size=2).check(world_size=2, files=False)

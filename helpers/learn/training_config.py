@@ -63,6 +63,9 @@ class TrainingConfig:
     reduce-scattered, each rank steps its shard, the weights all-gathered; the same arithmetic.
     ``sequence_parallel`` (TP > 1): the norms, dropouts and residuals work on each tensor-parallel rank's
     slice of the sequence (Korthikanti et al. 2022, section 4.2.2; ``--sequence-parallel``).
+    ``num_virtual_stages_per_pipeline_rank`` (PP > 1): each rank holds that many non-adjacent chunks of
+    layers and runs the interleaved 1F1B schedule (Narayanan et al. 2021, section 2.2;
+    ``--num-virtual-stages-per-pipeline-rank``); ``None``: one stage per rank.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -101,6 +104,7 @@ class TrainingConfig:
     recompute: str = "none"
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    num_virtual_stages_per_pipeline_rank: int | None = None
 
     # ----------------------------------------------------------------- derived paths
     @property
@@ -273,6 +277,13 @@ class TrainingConfig:
         resolve_precision(self.precision)
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(map(repr, RECOMPUTE))}")
+        v = self.num_virtual_stages_per_pipeline_rank
+        if v is not None:
+            stages = v * self.pipeline_model_parallel_size
+            if v < 2 or self.pipeline_model_parallel_size < 2 or self.model.num_layers % stages:
+                raise ValueError(f"num_virtual_stages_per_pipeline_rank={v}: the interleaved schedule needs at least 2 "
+                                 f"virtual stages on each of at least 2 pipeline ranks, and num_layers="
+                                 f"{self.model.num_layers} divisible by their product ({stages} here); None: one stage per rank")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size >= 2: it splits the activations "
                              "outside attention and the MLP over the tensor-parallel ranks")

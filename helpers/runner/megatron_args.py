@@ -155,6 +155,8 @@ FLAGS: tuple[Flag, ...] = (
     # the memory savers: activation recomputation (Korthikanti et al. 2022), the distributed optimizer (ZeRO-1)
     Flag("--use-distributed-optimizer", _switch(lambda cfg: cfg.use_distributed_optimizer),
          "use_distributed_optimizer: optimizer state sharded over the data-parallel ranks"),
+    Flag("--num-virtual-stages-per-pipeline-rank", lambda cfg: cfg.num_virtual_stages_per_pipeline_rank or False,
+         "num_virtual_stages_per_pipeline_rank: the interleaved pipeline schedule"),
     Flag("--sequence-parallel", _switch(lambda cfg: cfg.sequence_parallel),
          "sequence_parallel: norms and dropouts on each tensor-parallel rank's slice of the sequence"),
     Flag("--recompute-activations", _switch(lambda cfg: cfg.recompute == "selective"),
