@@ -444,6 +444,18 @@ def test_training_run_converts_with_its_validation_loss(trained_run):
     assert proofs.compare_hf_folders(conv.output_dir, redo.output_dir)["identical"]
 
 
+def test_the_conversion_cache_follows_a_checkpoint_written_again_at_the_same_iteration(tmp_path, tokenizer_dir):
+    """Review (issue 28): a run trained again into the same folder (another architecture, the same iteration) must be
+    converted again, not served from the earlier conversion's cache."""
+    first_cfg, second_cfg = tiny(), tiny(num_layers=1)
+    for cfg, seed in ((first_cfg, 1), (second_cfg, 2)):
+        gpt = proofs.randomized_model(cfg, seed=seed)
+        checkpointing.save_model(gpt, tmp_path / "ckpt", 3, {**cfg.to_metadata(), "tokenizer_dir": str(tokenizer_dir)})
+        conv = conversion.convert_to_hf_cached(tmp_path / "ckpt", tmp_path / "hf")
+        assert not conv.skipped and json.loads((tmp_path / "hf" / "config.json").read_text())["n_layer"] == cfg.num_layers
+    assert conversion.convert_to_hf_cached(tmp_path / "ckpt", tmp_path / "hf").skipped
+
+
 def test_continuation_starts_from_the_transformers_weights(trained_run, tmp_path):
     """Notebook 06 sections 12-13: HF -> megatron-core checkpoint with a fresh optimizer -> back, bit for bit."""
     run, ckpt_dir, _ = trained_run

@@ -40,6 +40,8 @@ def test_the_llama_profile_is_the_cpu_model_with_todays_blocks():
     assert (meta["hf_activation_function"], meta["num_query_groups"], meta["tied_embeddings"]) == ("silu", 2, True)
     with pytest.raises(ValueError, match=r"num_query_groups=3 must divide num_attention_heads=4.*\[1, 2, 4\]"):
         tiny_llama(num_query_groups=3)
+    with pytest.raises(ValueError, match="15 per head is odd: rotary embeddings rotate pairs of dimensions"):
+        tiny_llama(hidden_size=60, num_query_groups=None)
     with pytest.raises(ValueError, match="normalization='rms'"):
         tiny_llama(normalization="rms")
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 does not divide num_query_groups=2"):

@@ -710,6 +710,7 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
             if not torch.equal(value, hf_sd[key].to(dtype)):
                 raise ConversionError(f"model.safetensors does not hold the converted {key} exactly")
         info = {"source": ckpt.source, "format": ckpt.format, "iteration": ckpt.iteration,
+                "checkpoint_written_ns": _written_ns(Path(ckpt.source)) if ckpt.source and Path(ckpt.source).exists() else None,
                 "tensor_model_parallel_size": int(ckpt.meta.get("tensor_model_parallel_size", 1)),
                 "checkpoint_vocab_rows": rows, "vocab_size": vocab, "padded_rows_removed": rows - vocab,
                 "activation_function": getattr(config, "activation_function", None) or config.hidden_act,
@@ -732,7 +733,8 @@ def convert_to_hf_cached(checkpoint_dir: str | os.PathLike, output_dir: str | os
     """:func:`convert_to_hf` of the latest checkpoint in ``checkpoint_dir``, skipped when already done.
 
     ``output_dir`` is kept (``skipped=True``) when its ``conversion.json`` names this checkpoint
-    folder and iteration; otherwise it is converted again (``overwrite=True``).
+    folder and iteration, written at the same time (a run trained again into the same folder is
+    converted again); otherwise it is converted again (``overwrite=True``).
 
     Raises:
         FileNotFoundError: no checkpoint (train first: notebook 03), and the errors of :func:`convert_to_hf`.
@@ -741,9 +743,16 @@ def convert_to_hf_cached(checkpoint_dir: str | os.PathLike, output_dir: str | os
     out = Path(output_dir).expanduser().resolve()
     info = json.loads((out / CONVERSION_FILE).read_text()) if (out / CONVERSION_FILE).is_file() else {}
     if (out / "model.safetensors").is_file() and info.get("source") == str(folder) and info.get("iteration") == it \
-            and "num_parameters" in info:
+            and info.get("checkpoint_written_ns") == _written_ns(folder) and "num_parameters" in info:
         return _result(out, info, 0.0, skipped=True)
     return convert_to_hf(checkpoint_dir, out, tokenizer_dir=tokenizer_dir, overwrite=True)
+
+
+def _written_ns(path: Path) -> int:
+    """When a checkpoint (an ``iter_NNNNNNN`` folder or a file) was last written: the newest mtime of its files, in ns."""
+    path = Path(path)
+    return max((p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()), default=path.stat().st_mtime_ns) \
+        if path.is_dir() else path.stat().st_mtime_ns
 
 
 # =========================================================================== command line
@@ -756,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         0 on success, 2 on a conversion error (printed to stderr).
     """
     parser = argparse.ArgumentParser(prog="python -m helpers.learn.conversion",
-                                     description="megatron-core checkpoint -> transformers GPT-2 folder")
+                                     description="megatron-core checkpoint -> transformers GPT-2 or Llama folder")
     parser.add_argument("checkpoint", help="checkpoints folder, iter_NNNNNNN folder, .pt state dict or model_optim_rng.pt")
     parser.add_argument("output_dir", help="the transformers folder to write")
     parser.add_argument("--tokenizer-dir", default=None, help="default: the one recorded at training time")

@@ -129,6 +129,11 @@ class ModelConfig:
             raise ValueError(f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
                              f"{self.num_attention_heads}: each key/value head serves the same number of query heads. "
                              f"Use one of {divisors(self.num_attention_heads)} (or None: one per query head)")
+        if self.position_embedding_type == "rope" and self.hidden_size % self.num_attention_heads == 0 \
+                and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(f"hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads} = "
+                             f"{self.hidden_size // self.num_attention_heads} per head is odd: rotary embeddings rotate "
+                             "pairs of dimensions, so a head needs an even size; pick heads that give one")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
