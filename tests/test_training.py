@@ -225,8 +225,10 @@ def test_the_distributed_optimizer_on_two_ranks_trains_what_one_process_trains(u
     """Issue 29: --use-distributed-optimizer (ZeRO-1) over gloo, DP=2: the gradients are reduce-scattered, each
     rank keeps and steps half the optimizer state, the weights are all-gathered; every loss and gradient norm
     equals the one-process run's (this small model's sums come out the same in either order of addition)."""
+    from helpers.runner import megatron_args
+
     cfg = tiny_config(data, tmp_path / "zero1", use_distributed_optimizer=True)
-    assert "--use-distributed-optimizer" in __import__("helpers.runner.megatron_args", fromlist=["x"]).arguments(cfg, cpu=True)
+    assert "--use-distributed-optimizer" in megatron_args.arguments(cfg, cpu=True)
     result = launch.train(cfg, nproc_per_node=2, timeout_s=300, progress=False)
     assert "Using reduce-scatter for gradient reductions" in (cfg.run_path / "training.log").read_text()
     ours = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]

@@ -64,7 +64,7 @@ from helpers.support import results, safe_load
 from helpers.support.environment import package_version
 from helpers.support.safe_load import ConversionError  # the error of every reader below the converter
 from helpers.learn.model import GELU_HF_NAME, ModelConfig
-from helpers.learn.weight_names import check_keys, layer_template
+from helpers.learn.weight_names import check_keys, layer_template, without_tied_copy
 
 #: Tokenizer files copied into the transformers folder (what ``AutoTokenizer`` reads offline).
 TOKENIZER_FILES: tuple[str, ...] = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
@@ -283,9 +283,9 @@ def _expected_keys(names, num_layers: int, tied: bool) -> list[str]:
     return out
 
 
-def _account(found: set[str], expected: list[str], allowed_extra: set[str], what: str) -> None:
+def _account(found: set[str], expected: list[str], what: str) -> None:
     check_keys(found, expected, what, "a GPT-2 megatron-core model",
-               "Check num_layers / tied embeddings in the model config, or the checkpoint's origin.", allowed_extra)
+               "Check num_layers / tied embeddings in the model config, or the checkpoint's origin.")
 
 
 def _normalize_megatron_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -348,14 +348,9 @@ def megatron_to_hf_state_dict(state_dict: Mapping[str, Any], model_config: Model
     check_architecture(meta, tensors)
     num_layers, heads, h = int(meta["num_layers"]), int(meta["num_attention_heads"]), int(meta["hidden_size"])
     tied = bool(meta.get("tied_embeddings", meta.get("share_embeddings_and_output_weights", True)))
-    if tied and "output_layer.weight" in tensors and not torch.equal(
-            tensors["output_layer.weight"], tensors["embedding.word_embeddings.weight"]):
-        raise ConversionError(
-            "the model config says the output layer is tied to the word embeddings, but the state dict's "
-            "output_layer.weight differs from embedding.word_embeddings.weight: set tied_embeddings=False "
-            "(share_embeddings_and_output_weights=False) in the model config")
-    _account(set(tensors), _expected_keys(WEIGHT_MAP, num_layers, tied), {"output_layer.weight"} if tied else set(),
-             "megatron-core state dict")
+    tensors = without_tied_copy(tensors, "output_layer.weight", "embedding.word_embeddings.weight", tied,
+                                "set tied_embeddings=False (share_embeddings_and_output_weights=False) in the model config")
+    _account(set(tensors), _expected_keys(WEIGHT_MAP, num_layers, tied), "megatron-core state dict")
     vocab = int(vocab_size if vocab_size is not None else meta["vocab_size"])
     wte = tensors["embedding.word_embeddings.weight"]
     if wte.shape[1] != h:
@@ -366,8 +361,7 @@ def megatron_to_hf_state_dict(state_dict: Mapping[str, Any], model_config: Model
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         template, layer = layer_template(key)
-        if not (tied and template == "output_layer.weight"):
-            out[WEIGHT_MAP[template].format(layer)] = tensor_to_hf(template, tensor, heads, vocab)
+        out[WEIGHT_MAP[template].format(layer)] = tensor_to_hf(template, tensor, heads, vocab)
     if tied:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
@@ -393,16 +387,13 @@ def hf_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], num_att
     sd = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in hf_state_dict.items()}
     sd = {k: v for k, v in sd.items() if not re.match(r"^transformer\.h\.\d+\.attn\.(masked_)?bias$", k)}
     layers = [layer for k in sd if (layer := layer_template(k)[1]) is not None]
-    _account(set(sd), _expected_keys(HF_WEIGHT_MAP, max(layers, default=-1) + 1, tied),
-             {"lm_head.weight"} if tied else set(), "transformers GPT-2 state dict")
-    if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"]):
-        raise ConversionError("lm_head.weight differs from transformer.wte.weight but tied=True: pass tied=False")
+    sd = without_tied_copy(sd, "lm_head.weight", "transformer.wte.weight", tied, "pass tied=False")
+    _account(set(sd), _expected_keys(HF_WEIGHT_MAP, max(layers, default=-1) + 1, tied), "transformers GPT-2 state dict")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in sd.items():
         template, layer = layer_template(key)
-        if not (tied and template == "lm_head.weight"):
-            name = HF_WEIGHT_MAP[template]
-            out[name.format(layer)] = tensor_to_megatron(name, tensor, num_attention_heads, padded_vocab_size)
+        name = HF_WEIGHT_MAP[template]
+        out[name.format(layer)] = tensor_to_megatron(name, tensor, num_attention_heads, padded_vocab_size)
     return out
 
 

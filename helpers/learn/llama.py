@@ -2,8 +2,8 @@
 
 The converter of :mod:`helpers.learn.conversion` for the ``llama`` architecture
 (:data:`helpers.learn.model.ARCHITECTURES`): RoPE, RMSNorm, SwiGLU, grouped-query attention, no
-biases; the output layer tied to the word embeddings or not (``tie_word_embeddings``). Both models are ``nn.Linear`` throughout, so no weight is transposed;
-what differs is how two fused matrices are cut:
+biases; the output layer tied to the word embeddings or not (``tie_word_embeddings``). Both models
+are ``nn.Linear`` throughout, so no weight is transposed; what differs is how two fused matrices are cut:
 
 * ``linear_qkv.weight`` ``[(heads + 2g) * d, h]`` holds, for each of the g key/value groups in
   turn, its ``heads / g`` query heads, then its key head, then its value head (megatron-core
@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-from helpers.learn.weight_names import check_keys, layer_template
+from helpers.learn.weight_names import check_keys, layer_template, without_tied_copy
 from helpers.support.safe_load import ConversionError
 
 #: megatron-core ``GPTModel`` name (local spec) -> ``LlamaForCausalLM`` name(s); ``{}`` is the layer.
@@ -112,13 +112,10 @@ def megatron_to_llama_state_dict(state_dict: Mapping[str, torch.Tensor], meta: M
     heads, groups = int(meta["num_attention_heads"]), int(meta.get("num_query_groups") or meta["num_attention_heads"])
     vocab = int(vocab_size if vocab_size is not None else meta["vocab_size"])
     tied = bool(meta.get("tied_embeddings"))
+    state_dict = without_tied_copy(state_dict, "output_layer.weight", "embedding.word_embeddings.weight", tied,
+                                   "set share_embeddings_and_output_weights=False in the model config")
     expected = {t.format(i) for t in LLAMA_WEIGHT_MAP for i in range(int(meta["num_layers"]))} - ({"output_layer.weight"} if tied else set())
-    _account(state_dict, expected, "megatron-core Llama state dict", {"output_layer.weight"} if tied else set())
-    if tied and "output_layer.weight" in state_dict:
-        if not torch.equal(state_dict["output_layer.weight"], state_dict["embedding.word_embeddings.weight"]):
-            raise ConversionError("the model config says the output layer is tied to the word embeddings, but "
-                                  "output_layer.weight differs from them: set share_embeddings_and_output_weights=False")
-        state_dict = {k: v for k, v in state_dict.items() if k != "output_layer.weight"}
+    _account(state_dict, expected, "megatron-core Llama state dict")
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
         template, layer = layer_template(key)
@@ -152,10 +149,7 @@ def llama_to_megatron_state_dict(hf_state_dict: Mapping[str, torch.Tensor], num_
         for i, name in enumerate(hf if isinstance(hf, tuple) else (hf,)):
             inverse[name] = (mc, i)
     sd = {k: v for k, v in hf_state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    if tied and "lm_head.weight" in sd:
-        if not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
-            raise ConversionError("lm_head.weight differs from model.embed_tokens.weight but tied=True: pass tied=False")
-        del sd["lm_head.weight"]
+    sd = without_tied_copy(sd, "lm_head.weight", "model.embed_tokens.weight", tied, "pass tied=False")
     layers = {layer for k in sd if (layer := layer_template(k)[1]) is not None}
     _account(sd, {t.format(i) for t in inverse for i in range(max(layers, default=-1) + 1)} - ({"lm_head.weight"} if tied else set()),
              "transformers Llama state dict")
@@ -201,6 +195,6 @@ def llama_config(meta: Mapping[str, Any], *, vocab_size: int | None = None, eod_
         bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id, architectures=["LlamaForCausalLM"])
 
 
-def _account(found, expected: set[str], what: str, allowed_extra: set[str] = frozenset()) -> None:
+def _account(found, expected: set[str], what: str) -> None:
     check_keys(found, sorted(expected), what, "a Llama of this shape",
-               "Check num_layers, num_query_groups, tied embeddings and the checkpoint's origin.", allowed_extra)
+               "Check num_layers, num_query_groups, tied embeddings and the checkpoint's origin.")

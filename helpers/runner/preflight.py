@@ -295,7 +295,8 @@ def plan_for_parameters(parameters: dict[str, Any], vocab_size: int, run_dir: st
     model = {k: v for k, v in parameters.items() if k in model_names} | {"vocab_size": vocab_size}
     model["max_position_embeddings"] = model.get("seq_length", training_config.PROFILES[base].model.seq_length)
     if "architecture" in parameters:  # as notebook 03's configuration cell adds them (groups only for a Llama)
-        base_model, _ = training_config.PROFILES[base].model, model.pop("num_query_groups", None)
+        model.pop("num_query_groups", None)
+        base_model = training_config.PROFILES[base].model
         model |= model_lib.architecture_fields(parameters["architecture"], model.get("hidden_size", base_model.hidden_size),
                                                model.get("num_attention_heads", base_model.num_attention_heads),
                                                parameters.get("num_query_groups", 0))
