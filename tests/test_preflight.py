@@ -60,6 +60,10 @@ def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
         50 * 512 * model.flops_per_token(cfg.model) / (2 * preflight.STATED_CPU_FLOPS_PER_THREAD))
     text = plan.text()
     assert f"{per_epoch:,}" in text and "stated: 44 GFLOP/s per CPU thread x 2" in text
+    full = preflight.preflight(dataclasses.replace(cfg, recompute="full"), nproc=1, device="cpu", threads=2)  # the memory savers count
+    assert full.memory_per_gpu_bytes == memory.memory_per_gpu(cfg.model, model.Layout(1, 1, 1), micro_batch_size=4,
+                                                              precision="fp32", recompute="full").total
+    assert full.memory_per_gpu_bytes < plan.memory_per_gpu_bytes
 
 
 def test_gpu_estimate_uses_the_peak_and_an_unknown_gpu_has_none():

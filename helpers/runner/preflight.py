@@ -182,7 +182,9 @@ def _plan(cfg, nproc: int, dp: int, start: int | None, tokens_per_epoch: int | N
     precision = resolve_precision(cfg.precision)
     layout = model_lib.Layout(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, dp)
     memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
-                            num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp))
+                            num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp),
+                            distributed_optimizer=cfg.use_distributed_optimizer, recompute=cfg.recompute,
+                            sequence_parallel=cfg.sequence_parallel)
     if tokens_per_epoch is None and Path(f"{cfg.data_prefix_path}.idx").is_file():
         tokens_per_epoch = train_tokens_per_epoch(cfg.data_prefix_path, cfg.split)
     per_iteration = cfg.global_batch_size * cfg.model.seq_length
