@@ -55,7 +55,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
                               "lr_warmup_iters": 100},
 }
 #: Issue 28's comparison: notebook 03's recipe as GPT-2 and as the Llama of the same size and FLOPs per token
-#: (``helpers.learn.model.PROFILES["cpu-llama"]``), validation loss every 100 iterations for the curves.
+#: (``helpers.learn.model.architecture_fields``), validation loss every 100 iterations for the curves.
 NOTEBOOK_03 = {**CANDIDATES["h192-s128-gbs4-1000it"], "eval_interval": 100}
 #: ``llama-equal-time``: the Llama for the iterations that fit GPT-2's 1,000 in time, 880 = 1,000 x 0.0717 / 0.0816 s
 #: per iteration (the medians of the first comparison, bench/RESULTS.md 2026-12-04), with its own full cosine schedule.
@@ -119,9 +119,10 @@ def run_candidate(name: str, overrides: dict[str, Any], out_dir: Path, paths, se
     from helpers.learn import model as model_lib
 
     settings = {**BASE, **overrides}
-    architecture = settings.pop("architecture", "gpt2")  # gpt2: the cpu model; llama: cpu-llama, the same size
-    model = {**model_lib.profile({"gpt2": "cpu", "llama": "cpu-llama"}[architecture]).to_dict(),
-             **{k: settings[k] for k in MODEL_FIELDS}}
+    shape = {k: settings[k] for k in MODEL_FIELDS}
+    architecture = settings.pop("architecture", "gpt2")  # the Llama of the same size, as notebook 03 makes it
+    model = {**model_lib.profile("cpu").to_dict(), **shape,
+             **model_lib.architecture_fields(architecture, shape["hidden_size"], shape["num_attention_heads"])}
     rest = {k: v for k, v in settings.items() if k not in MODEL_FIELDS}
     iters, seq = rest.pop("train_iters"), model["seq_length"]
     rest = {"eval_interval": iters, "save_interval": iters, "log_interval": 10, **rest}
