@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import time
 
+from dataclasses import replace
+from functools import partial
+
 import pytest
 
 from helpers.support import results
@@ -153,7 +156,8 @@ def test_parameters_per_rank_by_hand():
 
 def test_activation_bytes_per_layer_by_hand():
     # s=4, b=2, h=8, a=2 -> s*b*h = 64; 5*a*s/h = 5.
-    act = memory.activation_bytes_per_layer
+    # Korthikanti et al.'s equations 2 and 4: 16-bit values, dropout on, GELU MLP of 4h, one K/V head per head.
+    act = partial(memory.activation_bytes_per_layer, dropout=True)
     assert act(HAND, 2) == 64 * (10 + 24 + 5)
     assert act(HAND, 2, recompute="selective") == 64 * 34
     assert act(HAND, 2, recompute="full") == 128
@@ -162,6 +166,21 @@ def test_activation_bytes_per_layer_by_hand():
     assert act(HAND, 2, 2, recompute="selective", sequence_parallel=True) == 34 * 32
     with pytest.raises(ValueError, match="recompute="):
         act(HAND, 2, recompute="some")
+
+
+def test_activation_terms_without_dropout_in_fp32_and_for_a_llama():
+    """The series' runs: no dropout (no masks, the softmax output is the only s^2 tensor), 4-byte values;
+    a Llama's grouped K/V (g*d wide) and SwiGLU MLP (fc1's 2f output, the SiLU output, the product: 4f)."""
+    act = memory.activation_bytes_per_layer
+    assert not HAND.hidden_dropout and not HAND.attention_dropout
+    # e=4, s*b*h = 64: whole 4e*sbh = 1024; split e*(Q + projection input 2 sbh, K and V 2 sbh, GELU in and out
+    # 2*s*b*4h = 8 sbh) = 4*768; softmax output e*a*s^2*b = 4*2*16*2 = 256
+    assert act(HAND, 2, bytes_per_value=4) == 1024 + 4 * 768 + 256
+    assert act(HAND, 2, bytes_per_value=4, recompute="full") == 4 * 64
+    llama = replace(HAND, swiglu=True, num_query_groups=1, ffn_hidden_size=16, add_bias_linear=False,
+                    normalization="RMSNorm", position_embedding_type="rope")
+    # K, V: 2*s*b*g*d = 2*8*1*4 = 64 values; MLP 4*s*b*f = 4*8*16 = 512 values; Q + projection input 128 values
+    assert act(llama, 2, bytes_per_value=4, recompute="selective") == 4 * (4 * 64) + 4 * (128 + 64 + 512)
 
 
 def test_bytes_per_parameter_follow_megatrons_distributed_optimizer_table():
@@ -177,10 +196,13 @@ def test_memory_per_gpu_by_hand():
                                 distributed_optimizer=True, recompute="full")
     assert est.parameters == 1920
     assert (est.weights, est.gradients, est.optimizer_state) == (2 * 1920, 4 * 1920, 12 * 1920 / 2)
-    # full recompute 2*s*b*h = 128 per layer x 2 layers x 1 micro-batch in flight; embedding dropout
-    # s*b*h = 64; output layer 4*s*b*h*(1 + V/h) = 256 * 3 = 768.
-    assert est.activations == 256 + 64 + 768
-    assert est.total == 3840 + 7680 + 11520 + 1088
+    # full recompute 2*s*b*h = 128 per layer x 2 layers x 1 micro-batch in flight; output layer
+    # 4*s*b*h*(1 + V/h) = 256 * 3 = 768; with dropout also the embedding's dropout mask, s*b*h = 64.
+    assert est.activations == 256 + 768
+    assert est.total == 3840 + 7680 + 11520 + 1024
+    with_dropout = memory.memory_per_gpu(replace(HAND, hidden_dropout=0.1), Layout(1, 1, 2), micro_batch_size=2,
+                                         num_microbatches=4, precision="bf16", recompute="full")
+    assert with_dropout.activations == 256 + 64 + 768
     # Without the distributed optimizer the fp32 master weights and Adam moments are not sharded.
     assert memory.memory_per_gpu(HAND, Layout(1, 1, 2), precision="bf16").optimizer_state == 12 * 1920
 
@@ -195,6 +217,18 @@ def test_pipeline_first_stage_holds_p_microbatches_of_activations():
     last = memory.memory_per_gpu(model, Layout(1, 4, 1), micro_batch_size=1, num_microbatches=8, stage=3)
     assert last.microbatches_in_flight == 1
     assert memory.memory_per_gpu(model, Layout(1, 4, 1), num_microbatches=8).stage in (0, 3)
+
+
+def test_the_interleaved_schedule_holds_more_micro_batches_in_flight():
+    """megatron-core's interleaved warm-up, 2*(p - r - 1) + (v - 1)*p forwards of chunks of L/(p*v) layers, plus
+    one: measured in notebook 05b (PP=2, v=2: 5 chunks on rank 0, 3 on rank 1); Megatron-LM's penalty 1 + (p-1)/(p*v)."""
+    from helpers.learn.memory import microbatches_in_flight
+
+    assert microbatches_in_flight(2, 4, 0, 2) * 2 == 5 and microbatches_in_flight(2, 4, 1, 2) * 2 == 3
+    assert microbatches_in_flight(4, 16, 0, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert microbatches_in_flight(4, 2, 0) == 2 and microbatches_in_flight(1, 8) == 1
+    with pytest.raises(ValueError, match="pipeline_rank=2"):
+        microbatches_in_flight(2, 4, 2)
 
 
 def test_memory_table_leaves_out_refused_layouts_and_reports_gib():
@@ -398,3 +432,19 @@ def test_the_interleaved_pipeline_trains_like_one_process_from_the_same_weights(
     assert row["within_atol"], row
     with pytest.raises(ValueError, match="needs at least 2 virtual stages on each of at least 2 pipeline ranks"):
         replace(four, num_virtual_stages_per_pipeline_rank=3, pipeline_model_parallel_size=2).check(world_size=2, files=False)
+
+
+def test_local_layers_keep_what_torchs_unfused_operations_save():
+    """fused=False: what megatron-core's local layers save beyond the fused kernels (measured in notebook 05b):
+    RMSNorm's normalized output and fp32 rstd, K and V repeated to every head, SwiGLU's extra copy, RoPE's cos
+    and sin, a causal mask per layer."""
+    act = memory.activation_bytes_per_layer
+    llama = replace(HAND, swiglu=True, num_query_groups=1, ffn_hidden_size=16, add_bias_linear=False,
+                    normalization="RMSNorm", position_embedding_type="rope")
+    s, b, h, d, f, e = 4, 2, 8, 4, 16, 4
+    extra = 2 * (e * s * b * h + 4 * s * b) + e * 2 * s * b * (h - d) + e * s * b * f + 4 * e * s * d + s * s
+    assert act(llama, 2, bytes_per_value=4, fused=False) == act(llama, 2, bytes_per_value=4) + extra
+    gpt2 = act(HAND, 2, bytes_per_value=4, fused=False) - act(HAND, 2, bytes_per_value=4)
+    assert gpt2 == 2 * 8 * s * b + s * s  # LayerNorm's mean and rstd; the mask (no RoPE, MHA, GELU)
+    full = act(llama, 2, bytes_per_value=4, recompute="full", fused=False)
+    assert full == e * s * b * h  # only the layer's input, whatever the kernels

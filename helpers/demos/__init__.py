@@ -11,6 +11,8 @@ them. Each module's docstring names the notebook and section it serves:
   ``model_fusions``, ``adamw`` (04's measurements of fused kernels and fused AdamW).
 * 05: ``rank_groups``, ``launch_plans``, ``layout_runs``, ``shards``, ``memory``, ``pipeline_schedule``
   (tensor, pipeline and data parallelism: the groups, the runs, the shards, the memory, the schedule).
+* 05b: ``memory_toolbox`` (the memory savers trained, measured per rank beside the predictions; the
+  pipeline schedules as they ran).
 * 06-07: ``conversion_proofs``, ``conversion_way_back``, ``tensor_parallel_run``,
   ``megatron_lm_layout`` (the conversion proven exact; ``conversion_proofs.validation_loss`` also
   in 07 §2), ``evaluation_curve`` (07's curve).

@@ -61,6 +61,8 @@ class LayoutRun:
         checkpoint_dir: where its checkpoints are.
         initial: ``"shared"`` (started from the shared initial checkpoint) or ``"own"``.
         skipped: the result was read from an earlier run (nothing launched).
+        records_dir: where each rank wrote what it held and when it computed
+            (:mod:`helpers.learn.rank_record`), when the run was recorded.
     """
 
     layout: Layout
@@ -74,6 +76,7 @@ class LayoutRun:
     checkpoint_dir: str
     initial: str
     skipped: bool = False
+    records_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -195,7 +198,8 @@ def _print_marked(line: str) -> None:
 
 
 def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint_dir: str | os.PathLike | None = None,
-               name: str | None = None, timeout_s: float = 900.0, progress: bool = True) -> LayoutRun:
+               name: str | None = None, timeout_s: float = 900.0, progress: bool = True,
+               record: bool = False) -> LayoutRun:
     """Train ``base`` with ``layout`` under torchrun on this machine and collect its losses.
 
     The launch is the node-0 command of a one-node :class:`LaunchPlan`; the command
@@ -212,6 +216,8 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         checkpoint_dir: where to save (default ``{run_dir}/parallelism/<name>/checkpoints``).
         name: folder name (default ``layout.name``, plus ``_own_init`` for ``initial="own"``).
         timeout_s: wall-clock limit of the job (s); past it every process is killed.
+        record: each rank writes its memory and schedule to ``{folder}/ranks``
+            (:mod:`helpers.learn.rank_record`, ``SERIES_RANK_RECORD``); same losses.
 
     Returns:
         :class:`LayoutRun`.
@@ -222,7 +228,7 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         FileNotFoundError: the data of notebook 01 is missing.
         helpers.runner.launch.LaunchError: a rank failed (named) or the job timed out.
     """
-    from helpers.learn import checkpointing
+    from helpers.learn import checkpointing, rank_record
     from helpers.runner import launch, megatron_args, metrics
 
     if initial not in ("shared", "own"):
@@ -257,15 +263,21 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
         saved = checkpointing.read_model_config(ckpt, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(layout.tensor_model_parallel_size), ckpt)
         if latest >= cfg.train_iters and result_path.exists():
-            return replace(LayoutRun.from_dict(json.loads(result_path.read_text())), skipped=True)
+            cached = LayoutRun.from_dict(json.loads(result_path.read_text()))
+            if record and not cached.records_dir:
+                raise ValueError(f"{folder} holds this run, trained without record=True: nothing was launched or "
+                                 f"changed. Delete {folder} (and {ckpt}) to train it again with its ranks recorded.")
+            return replace(cached, skipped=True)
     folder.mkdir(parents=True, exist_ok=True)
+    records_dir = folder / "ranks" if record else None
     cfg.to_json(config_path)
     plan = launch_plan(layout, [megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)])
     bar, on_line = _progress_handler(cfg.train_iters, layout.label, progress)
     log_path = folder / "training.log"
     try:
         res = launch.torchrun(list(plan.target), nproc_per_node=plan.nproc_per_node, timeout_s=timeout_s,
-                              master_port=plan.master_port, env={**megatron_args.ENV, **launch_env(layout.world_size)},
+                              master_port=plan.master_port, env={**megatron_args.ENV, **launch_env(layout.world_size),
+                                                                 **({rank_record.ENV: str(records_dir)} if record else {})},
                               on_line=on_line, log_path=log_path)
     finally:
         if bar is not None:
@@ -278,7 +290,8 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
                     s_per_iter=[r["s_per_iter"] for r in records["train"]],
                     valid_losses=[r["lm_loss"] for r in records["valid"]],
                     wall_seconds=round(res.wall_seconds, 2), command=res.command,
-                    generated_command=plan.local_command(), checkpoint_dir=str(ckpt), initial=initial)
+                    generated_command=plan.local_command(), checkpoint_dir=str(ckpt), initial=initial,
+                    records_dir=str(records_dir) if record else None)
     result_path.write_text(json.dumps(run.to_dict(), indent=2) + "\n")
     return run
 

@@ -28,15 +28,17 @@ __all__ = ["BYTES_PER_PARAMETER", "MODEL_SHAPES", "MemoryEstimate", "activation_
 #: GPT shapes for the memory calculator. ``codeparrot-small`` is the guide's 110M model;
 #: ``gpt-1.3b`` and ``gpt-7b`` are GPT-3 XL and GPT-3 6.7B (Brown et al. 2020, table 2.1);
 #: ``gpt-70b`` is a 70B-class shape: Llama-2-70B's depth and width (80 layers, hidden 8192,
-#: 64 heads, sequence 4096) with GPT-2's 4h MLP, which makes 64.9B parameters.
+#: 64 heads, sequence 4096) with GPT-2's 4h MLP, which makes 64.9B parameters. All with
+#: Megatron-LM's default dropout, 0.1 (the masks Korthikanti et al. count).
+_DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 MODEL_SHAPES: dict[str, ModelConfig] = {
     "codeparrot-small": MODEL_PROFILES["codeparrot-small"],
     "gpt-1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
-                            max_position_embeddings=2048, vocab_size=50257),
+                            max_position_embeddings=2048, vocab_size=50257, **_DROPOUT),
     "gpt-7b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
-                          max_position_embeddings=2048, vocab_size=50257),
+                          max_position_embeddings=2048, vocab_size=50257, **_DROPOUT),
     "gpt-70b": ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64, seq_length=4096,
-                           max_position_embeddings=4096, vocab_size=50257),
+                           max_position_embeddings=4096, vocab_size=50257, **_DROPOUT),
 }
 
 

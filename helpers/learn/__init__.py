@@ -13,11 +13,12 @@ names the Megatron-LM file or paper it follows; it imports only its neighbours h
   ``IndexedDatasetBuilder``, the split of its documents, and a damaged pair named.
 * ``dataloader`` (02; 01 §2, 06 §13, 07 §2): ``GPTDatasetConfig`` and ``BlendedMegatronDatasetBuilder``.
 * ``model`` (03 §3, 05): ``TransformerConfig`` and ``GPTModel``, GPT-2's blocks or a Llama's; ``attention`` (04 §9): core
-  attention; ``memory`` (05 §5): bytes per GPU, the series' calculator.
+  attention; ``memory`` (05 §5, 05b): bytes per GPU, the series' calculator.
 * ``distributed`` (02 §9, 04 §11): process groups in one process; ``optimizer`` (03 §7, 04 §7):
   AdamW and the schedule.
-* ``training_config`` (03 §1-2, 04, 05, 07): what one run is; ``pretrain_gpt`` (03 §6, 05 §4): Megatron-LM's
-  ``pretrain_gpt.py``, its own training loop.
+* ``training_config`` (03 §1-2, 04, 05, 05b, 07): what one run is; ``pretrain_gpt`` (03 §6, 05 §4): Megatron-LM's
+  ``pretrain_gpt.py``, its own training loop; ``rank_record`` (05b): what each rank of it held in memory
+  (the tensors saved for backward, by saved-tensor hooks) and when it ran each micro-batch.
 * ``checkpointing`` (03 §8, 05 §8, 06, 07): ``dist_checkpointing`` checkpoints; ``megatron_lm``
   (03 §8, 06 §10): reading checkpoints Megatron-LM wrote itself (torch_dist and legacy; the files
   are unpickled by ``helpers.support.safe_load``).

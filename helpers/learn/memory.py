@@ -85,31 +85,94 @@ def _parameters_per_rank(model: ModelConfig, t: int, p: int, pipeline_rank: int)
     return total
 
 
+#: Bytes of one activation value by training precision: mixed precision computes in 16 bits
+#: (Korthikanti et al.'s accounting); an fp32 run (the series on a CPU) in 32.
+ACTIVATION_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
 def activation_bytes_per_layer(model: ModelConfig, micro_batch_size: int, tensor_model_parallel_size: int = 1, *,
-                               recompute: str = "none", sequence_parallel: bool = False) -> float:
+                               recompute: str = "none", sequence_parallel: bool = False,
+                               bytes_per_value: int = 2, dropout: bool | None = None, fused: bool = True) -> float:
     """Activation memory one transformer layer keeps for the backward pass, per micro-batch (bytes).
 
-    Korthikanti et al. 2022 (arXiv:2205.05198), 16-bit activations and 1-byte dropout masks,
-    s sequence, b micro-batch, h hidden, a heads, t TP size:
+    Korthikanti et al. 2022 (arXiv:2205.05198) section 4.1, term by term (s sequence, b micro-batch,
+    h hidden, a heads, t TP size, e = ``bytes_per_value``, f the MLP width, g key/value heads of
+    size d = h/a):
 
-    * no recompute: s*b*h*(10 + 24/t + 5*a*s/(h*t)) (equation 2); with sequence parallelism
-      s*b*h/t*(34 + 5*a*s/h) (equation 4);
-    * selective recompute (attention scores, softmax and its dropout recomputed; section 5):
-      s*b*h*(10 + 24/t), or 34*s*b*h/t with sequence parallelism;
-    * full recompute (only each layer's input kept; section 4.4): 2*s*b*h, or 2*s*b*h/t.
+    * kept whole on every TP rank: the inputs of the two norms and of the QKV and fc1 linears,
+      ``4*e*s*b*h``, and with dropout its two 1-byte masks, ``2*s*b*h``;
+    * split over TP: Q ``e*s*b*h``, K and V ``2*e*s*b*g*d``, the projection's input ``e*s*b*h``,
+      the MLP's ``2*e*s*b*f`` (GELU: its input and output) or ``4*e*s*b*f`` (SwiGLU: the fc1
+      output of width 2f, the SiLU output and the product);
+    * attention: the softmax output ``e*a*s^2*b``, plus with dropout its mask and output
+      ``(1 + e)*a*s^2*b``, split over TP.
 
-    The formulas assume f = 4h. Raises:
+    With e = 2, dropout, g = a and a GELU MLP of f = 4h this is the paper's equation 2,
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; sequence parallelism splits the first group too
+    (equation 4: ``s*b*h/t*(34 + 5*a*s/h)``). Selective recomputation drops the attention term
+    (section 5); full recomputation keeps only the layer's input, ``e*s*b*h`` (/t with sequence
+    parallelism; section 4.4).
+
+    ``fused=False`` counts what megatron-core's local layers (``layer_spec="local"``, plain torch
+    operations: the series on a CPU) save beyond the fused kernels the paper assumes, measured in
+    notebook 05b: torch's RMSNorm also keeps its normalized output (``e*s*b*h``) and both norms
+    their fp32 statistics (``4*s*b`` each: RMSNorm's rstd; LayerNorm's mean and rstd, ``8*s*b``);
+    the unfused attention repeats grouped K and V to every head (``2*e*s*b*h`` instead of
+    ``2*e*s*b*g*d``) and builds a boolean causal mask per layer (``s^2`` bytes); SwiGLU's
+    ``x_up + glu_linear_offset`` is one more ``e*s*b*f`` copy; RoPE keeps a cos and a sin for Q and for K
+    (``4*e*s*d``).
+
+    Args:
+        bytes_per_value: 2 for bf16/fp16 training, 4 for fp32 (:data:`ACTIVATION_BYTES`).
+        dropout: whether dropout masks are kept; default: the model's dropout is not 0.
+        fused: the fused kernels' accounting (Transformer Engine, the paper); False: the local layers'.
+
+    Raises:
         ValueError: unknown ``recompute``.
     """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: choose 'none', 'selective' or 'full'")
     s, b, h, a, t = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads, tensor_model_parallel_size
-    sbh = s * b * h
-    if recompute == "none":
-        return sbh / t * (34 + 5 * a * s / h) if sequence_parallel else sbh * (10 + 24 / t + 5 * a * s / (h * t))
-    if recompute == "selective":
-        return 34 * sbh / t if sequence_parallel else sbh * (10 + 24 / t)
+    e = bytes_per_value
+    if dropout is None:
+        dropout = bool(model.hidden_dropout or model.attention_dropout)
+    whole_t = t if sequence_parallel else 1
     if recompute == "full":
-        return 2 * sbh / t if sequence_parallel else 2 * sbh
-    raise ValueError(f"recompute={recompute!r}: choose 'none', 'selective' or 'full'")
+        return e * s * b * h / whole_t
+    kv = 2 * s * b * (model.query_groups if fused else a) * (h // a)
+    mlp = (4 + (0 if fused else 1) if model.swiglu else 2) * s * b * model.ffn_size
+    whole = (4 * e + (2 if dropout else 0)) * s * b * h / whole_t
+    split = e * (2 * s * b * h + kv + mlp) / t
+    attention = (e + (1 + e if dropout else 0)) * a * s * s * b / t
+    if not fused:
+        rms = model.normalization == "RMSNorm"
+        whole += 2 * ((e * s * b * h if rms else 0) + (4 if rms else 8) * s * b) / whole_t
+        whole += s * s + (4 * e * s * (h // a) if model.position_embedding_type == "rope" else 0)
+    return whole + split + (0 if recompute == "selective" else attention)
+
+
+def microbatches_in_flight(pipeline_model_parallel_size: int, num_microbatches: int, pipeline_rank: int = 0,
+                           num_virtual_stages: int | None = None) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in whole-stage units.
+
+    1F1B (Narayanan et al. 2021, section 2.2.1): rank r runs ``p - r - 1`` warm-up forwards, then
+    one more before its first backward: ``min(p - r, m)`` micro-batches of its ``L/p`` layers.
+    Interleaved (section 2.2.2, megatron-core ``schedules.py``,
+    ``get_pp_rank_microbatches``): ``2*(p - r - 1) + (v - 1)*p`` warm-up forwards of model chunks
+    of ``L/(p*v)`` layers, plus one: divided by v to count whole stages (rank 0: ``p + (p - 1)/v``,
+    the ``1 + (p - 1)/(p*v)`` penalty Megatron-LM's calculator applies). No pipeline: 1.
+
+    Raises:
+        ValueError: ``pipeline_rank`` outside ``[0, p)``.
+    """
+    p, m, v = pipeline_model_parallel_size, num_microbatches, num_virtual_stages or 1
+    if not 0 <= pipeline_rank < p:
+        raise ValueError(f"pipeline_rank={pipeline_rank} must be in [0, {p})")
+    if p == 1:
+        return 1
+    if v == 1:
+        return min(p - pipeline_rank, m)
+    return min(2 * (p - pipeline_rank - 1) + (v - 1) * p + 1, m * v) / v
 
 
 @dataclass(frozen=True)
@@ -120,7 +183,8 @@ class MemoryEstimate:
         stage: the pipeline rank described.
         parameters: parameters on this GPU.
         weights, gradients, optimizer_state, activations: bytes.
-        microbatches_in_flight: micro-batches whose activations the stage holds at its peak.
+        microbatches_in_flight: micro-batches whose activations the stage holds at its peak (whole
+            stages; fractional with the interleaved schedule).
     """
 
     stage: int
@@ -129,7 +193,7 @@ class MemoryEstimate:
     gradients: float
     optimizer_state: float
     activations: float
-    microbatches_in_flight: int
+    microbatches_in_flight: float
 
     @property
     def total(self) -> float:
@@ -163,19 +227,22 @@ def checkpoint_bytes(model: ModelConfig, precision: str = "bf16", world_size: in
 
 def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int = 1, num_microbatches: int = 1,
                    precision: str = "bf16", distributed_optimizer: bool = False, recompute: str = "none",
-                   sequence_parallel: bool = False, stage: int | None = None) -> MemoryEstimate:
+                   sequence_parallel: bool = False, num_virtual_stages: int | None = None,
+                   fused: bool = True, stage: int | None = None) -> MemoryEstimate:
     """Bytes per GPU of weights, gradients, optimizer state and activations for one layout.
 
     * weights, gradients, optimizer state: :func:`parameters_per_rank` x
       :data:`BYTES_PER_PARAMETER` (Megatron-LM ``distrib_optimizer.md``); the distributed
       optimizer divides the optimizer state by DP (ZeRO stage 1, Rajbhandari et al. 2020, section
       5.1: 4 + 12/N_d bytes per parameter in their fp16 accounting);
-    * activations: :func:`activation_bytes_per_layer` x layers per stage x micro-batches in
-      flight. With the 1F1B schedule stage r holds min(p - r, m) micro-batches at its peak, so
-      the first stage holds p x L/p layers' worth: the whole model's (Korthikanti et al. 2022,
-      section 4.2.3). The first stage adds the embedding dropout mask s*b*h (/t with sequence
-      parallelism) per micro-batch held, the last stage the output layer's
-      4*s*b*h/t*(1 + V/h) (section 4.3: LayerNorm input and fp32 logits).
+    * activations: :func:`activation_bytes_per_layer` (values of :data:`ACTIVATION_BYTES` for
+      ``precision``) x layers per stage x :func:`microbatches_in_flight`. With the 1F1B schedule
+      stage r holds min(p - r, m) micro-batches at its peak, so the first stage holds p x L/p
+      layers' worth: the whole model's (Korthikanti et al. 2022, section 4.2.3); the interleaved
+      schedule (``num_virtual_stages`` v) holds (p - 1)/v stages more. With dropout the first
+      stage adds the embedding dropout mask s*b*h (/t with sequence parallelism) per micro-batch
+      held; the last stage the output layer's 2*e*s*b*h (the final norm's and the output layer's
+      inputs; /t with sequence parallelism) + 4*s*b*V/t (fp32 logits; section 4.3: 4*s*b*h/t*(1 + V/h) for 16 bits).
 
     Args:
         model: the model shape; layout: TP, PP, DP.
@@ -184,6 +251,10 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
         distributed_optimizer: shard the optimizer state over the DP ranks.
         recompute: ``"none"``, ``"selective"`` or ``"full"`` activation recomputation.
         sequence_parallel: split LayerNorm/dropout activations over the TP ranks (needs TP > 1).
+        num_virtual_stages: model chunks per pipeline rank (the interleaved schedule); None: 1F1B.
+        fused: the fused kernels' activations (GPUs with Transformer Engine); False: megatron-core's
+            local layers' (:func:`activation_bytes_per_layer`; on the last stage also the final
+            norm's extra tensors and the fp32 loss mask, ``4*s*b``).
         stage: the pipeline rank to describe; default: the stage with the largest total.
 
     Returns:
@@ -200,17 +271,23 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
         raise ValueError(f"micro_batch_size={micro_batch_size} and num_microbatches={num_microbatches} must be >= 1")
     t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     per_param = BYTES_PER_PARAMETER[precision]
-    layer = activation_bytes_per_layer(model, micro_batch_size, t, recompute=recompute, sequence_parallel=sequence_parallel)
+    e = ACTIVATION_BYTES[precision]
+    layer = activation_bytes_per_layer(model, micro_batch_size, t, recompute=recompute, sequence_parallel=sequence_parallel,
+                                       bytes_per_value=e, fused=fused)
     s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    dropout = bool(model.hidden_dropout or model.attention_dropout)
     estimates = []
     for r in range(p) if stage is None else [stage]:
         n = _parameters_per_rank(model, t, p, r)
-        in_flight = min(p - r, num_microbatches)
+        in_flight = microbatches_in_flight(p, num_microbatches, r, num_virtual_stages)
         act = layer * (model.num_layers // p) * in_flight
-        if r == 0:
+        if r == 0 and dropout:
             act += s * b * h / (t if sequence_parallel else 1) * in_flight
         if r == p - 1:
-            act += 4 * s * b * h / t * (1 + model.padded_vocab_size(t) / h)
+            act += 2 * e * s * b * h / (t if sequence_parallel else 1) + 4 * s * b * model.padded_vocab_size(t) / t
+            if not fused:
+                rms = model.normalization == "RMSNorm"
+                act += ((e * s * b * h if rms else 0) + (4 if rms else 8) * s * b) / (t if sequence_parallel else 1) + 4 * s * b
         estimates.append(MemoryEstimate(
             stage=r, parameters=n, weights=float(n * per_param["weights"]), gradients=float(n * per_param["gradients"]),
             optimizer_state=n * per_param["optimizer_state"] / (d if distributed_optimizer else 1),

@@ -26,6 +26,9 @@ What it adds to Megatron-LM's script, and why:
   rank reads the same samples from the memory-mapped ``.bin/.idx`` itself.
 * A known hang guarded before anything starts: a ``--split`` that leaves a part without
   documents makes megatron-core's index builder loop forever (``dataloader.check_split``).
+* ``rank_record.install()``: with ``SERIES_RANK_RECORD=<folder>`` in the environment, each rank
+  writes what it held (weights, gradients, optimizer state, the activations saved for backward)
+  and when it ran each micro-batch's forward and backward (notebook 05b); unset, nothing changes.
 * What a notebook's launch needs (``helpers.support.run_guard``): the job stops when its launcher dies,
   one job at a time per run folder, and checkpoints are written through a forked queue.
 
@@ -53,7 +56,7 @@ from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from helpers.learn import checkpointing, dataloader
+from helpers.learn import checkpointing, dataloader, rank_record
 from helpers.support import cpu_compat, run_guard
 
 cpu_compat.apply()  # the one line a CPU needs: megatron-core's and megatron.training's CUDA-only calls (none with CUDA)
@@ -151,6 +154,7 @@ def main() -> int:
     if args.load and (latest := checkpointing.latest_iteration(args.load)) is not None:  # a whole checkpoint to resume
         checkpointing.check_readable(checkpointing.iteration_dir(args.load, latest))
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    rank_record.install()  # with SERIES_RANK_RECORD set: each rank's memory and schedule, measured (notebook 05b)
     run_folder = Path(args.save).resolve().parent if args.save else None
     with run_guard.run_folder_lock(run_folder, enabled=run_folder is not None and int(os.environ.get("RANK", "0")) == 0):
         pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

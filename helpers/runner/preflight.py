@@ -184,7 +184,9 @@ def _plan(cfg, nproc: int, dp: int, start: int | None, tokens_per_epoch: int | N
     memory = memory_per_gpu(cfg.model, layout, micro_batch_size=cfg.micro_batch_size, precision=precision,
                             num_microbatches=num_microbatches(cfg.global_batch_size, cfg.micro_batch_size, dp),
                             distributed_optimizer=cfg.use_distributed_optimizer, recompute=cfg.recompute,
-                            sequence_parallel=cfg.sequence_parallel)
+                            sequence_parallel=cfg.sequence_parallel,
+                            num_virtual_stages=cfg.num_virtual_stages_per_pipeline_rank,
+                            fused=device != "cpu" and cfg.layer_spec != "local")  # a CPU runs the local (unfused) layers
     if tokens_per_epoch is None and Path(f"{cfg.data_prefix_path}.idx").is_file():
         tokens_per_epoch = train_tokens_per_epoch(cfg.data_prefix_path, cfg.split)
     per_iteration = cfg.global_batch_size * cfg.model.seq_length

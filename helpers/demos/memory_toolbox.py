@@ -1,0 +1,268 @@
+"""The memory savers of notebook 05b, trained for real, measured per rank and set beside the predictions.
+
+Notebook 05b ("The memory toolbox"): :data:`TECHNIQUES` (each saver as a change of the training
+config and a layout), :func:`run_techniques` (each trained by Megatron-LM's loop under torchrun,
+recorded by :mod:`helpers.learn.rank_record`), :func:`memory_rows` (measured beside the series'
+calculator, :func:`helpers.learn.memory.memory_per_gpu`, and the estimate Megatron-LM printed,
+``megatron/training/theoretical_memory_usage.py``), :func:`plot_memory` (section 3),
+:func:`timeline` / :func:`measured_bubble` / :func:`plot_timelines` (section 4: the pipeline
+schedules as they ran, against Narayanan et al.'s (p - 1)/(v m)).
+
+Sources: Korthikanti et al. 2022 (arXiv:2205.05198); Narayanan et al. 2021 (arXiv:2104.04473)
+section 2.2; Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054); megatron-core 0.19.2
+``pipeline_parallel/schedules.py``, ``optimizer/distrib_optimizer.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from helpers.demos.layout_runs import LayoutRun, run_layout
+from helpers.learn import rank_record
+from helpers.learn.memory import memory_per_gpu
+from helpers.learn.model import Layout
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One memory saver as a run: ``changes`` to the training config (``TrainingConfig`` fields,
+    i.e. Megatron-LM flags) and the layout it runs on; ``saves`` and ``costs``: what it is for."""
+
+    name: str
+    layout: Layout
+    changes: dict[str, Any] = field(default_factory=dict)
+    saves: str = ""
+    costs: str = ""
+
+
+#: The savers, each beside the run it is compared with (the first: one process, nothing saved).
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique("baseline", Layout(1, 1, 1), {}, "nothing: one process holds everything", "-"),
+    Technique("recompute selective", Layout(1, 1, 1), {"recompute": "selective"},
+              "attention's s^2 tensors (softmax output)", "attention's core computed twice"),
+    Technique("recompute full", Layout(1, 1, 1), {"recompute": "full"},
+              "all but each layer's input", "every layer's forward computed twice"),
+    Technique("DP=2", Layout(1, 1, 2), {}, "nothing per rank: half the batch each, all states replicated",
+              "a gradient all-reduce per step"),
+    Technique("DP=2 distributed optimizer", Layout(1, 1, 2), {"use_distributed_optimizer": True},
+              "the optimizer state: 1/DP of it per rank (ZeRO-1)", "reduce-scatter + all-gather instead of all-reduce"),
+    Technique("TP=2", Layout(2, 1, 1), {}, "weights, gradients, optimizer state and most activations / TP",
+              "4 all-reduces per layer and micro-batch"),
+    Technique("TP=2 sequence parallel", Layout(2, 1, 1), {"sequence_parallel": True},
+              "the norms' and residuals' activations / TP too", "all-gather + reduce-scatter instead of all-reduce"),
+    Technique("PP=2 1F1B", Layout(1, 2, 1), {}, "weights, gradients, optimizer state / PP (not activations)",
+              "the bubble, (p - 1)/m"),
+    Technique("PP=2 interleaved v=2", Layout(1, 2, 1), {"num_virtual_stages_per_pipeline_rank": 2},
+              "the bubble: (p - 1)/(v m)", "more micro-batches in flight, v x the sends"),
+)
+
+
+def _folder_name(name: str) -> str:
+    return "toolbox_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def run_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES, *, timeout_s: float = 600.0,
+                   progress: bool = True) -> dict[str, LayoutRun]:
+    """Train ``base`` once per technique (from the same initial weights), each rank recorded.
+
+    Args:
+        base: :func:`helpers.demos.layout_runs.comparison_config`; its ``global_batch_size`` must
+            split into micro-batches on every layout.
+
+    Returns:
+        ``{technique name: LayoutRun}`` (``records_dir`` holds each rank's ``rank_<r>.json``).
+
+    Raises:
+        ValueError: a technique the model or batch cannot run, named by the config's own check
+            (before any process starts); see :func:`helpers.demos.layout_runs.run_layout` for the rest.
+    """
+    runs = {}
+    for t in techniques:
+        runs[t.name] = run_layout(replace(base, **t.changes), t.layout, name=_folder_name(t.name), record=True,
+                                  timeout_s=timeout_s, progress=progress)
+    return runs
+
+
+#: Megatron-LM's own estimate, printed by rank 0 after the first iteration (``training.py``,
+#: ``report_theoretical_memory``), in MB of 2^20 bytes.
+_MEGATRON_LM_LINE = re.compile(r"Theoretical memory footprints: weight and optimizer=([\d.]+) MB, "
+                               r"activation=([\d.]+) MB")
+
+
+def megatron_lm_printed(log_text: str) -> dict[str, float] | None:
+    """Megatron-LM's printed estimate from a run's log: ``{"states", "activations"}`` in bytes, or None."""
+    match = _MEGATRON_LM_LINE.search(log_text)
+    if not match:
+        return None
+    return {"states": float(match[1]) * 2 ** 20, "activations": float(match[2]) * 2 ** 20}
+
+
+def memory_rows(base: Any, runs: dict[str, LayoutRun], techniques: Sequence[Technique] = TECHNIQUES
+                ) -> list[dict[str, Any]]:
+    """Per technique and rank: what the rank held (measured) beside the two predictions, in bytes.
+
+    Measured (:mod:`helpers.learn.rank_record`): ``weights``, ``gradients`` (the gradient
+    buffers), ``optimizer_state``; ``activations``: the peak of the tensors saved for backward
+    over the micro-batches in flight (last iteration). Predicted by the series
+    (:func:`helpers.learn.memory.memory_per_gpu` of this rank's pipeline stage, in the run's
+    precision, for its layers: ``fused=False`` for megatron-core's local ones): ``predicted_*``. Megatron-LM's printed estimate (rank 0 only; it describes the
+    first pipeline stage and assumes bf16 mixed precision: 18 bytes per parameter, 16-bit
+    activations): ``megatron_lm_states``, ``megatron_lm_activations``.
+
+    Returns:
+        Rows ``{"technique", "rank", "tp", "pp", "dp", "parameters", "weights", ..., "in_flight",
+        "predicted_in_flight", ...}``.
+    """
+    by_name = {t.name: t for t in techniques}
+    rows = []
+    for name, run in runs.items():
+        t = by_name[name]
+        cfg = replace(base, **t.changes)
+        dp = t.layout.data_parallel_size
+        m = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+        printed = megatron_lm_printed((Path(run.records_dir).parent / "training.log").read_text(errors="replace"))
+        for rec in rank_record.read(run.records_dir):
+            peak = rank_record.activation_peak(rec)
+            est = memory_per_gpu(cfg.model, t.layout, micro_batch_size=cfg.micro_batch_size, num_microbatches=m,
+                                 precision=cfg.precision, distributed_optimizer=cfg.use_distributed_optimizer,
+                                 recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
+                                 num_virtual_stages=cfg.num_virtual_stages_per_pipeline_rank,
+                                 fused=cfg.layer_spec != "local", stage=rec["pipeline_rank"])
+            row = {"technique": name, "rank": rec["rank"], "tp": rec["tensor_rank"], "pp": rec["pipeline_rank"],
+                   "dp": rec["data_rank"], "parameters": rec["parameters"], "predicted_parameters": est.parameters,
+                   "weights": rec["weights"], "gradients": rec["gradients"], "optimizer_state": rec["optimizer_state"],
+                   "activations": peak["bytes"], "in_flight": peak["in_flight"],
+                   "predicted_weights": est.weights, "predicted_gradients": est.gradients,
+                   "predicted_optimizer_state": est.optimizer_state, "predicted_activations": est.activations,
+                   "predicted_in_flight": est.microbatches_in_flight * (cfg.num_virtual_stages_per_pipeline_rank or 1)}
+            if printed and rec["rank"] == 0:
+                row |= {"megatron_lm_states": printed["states"], "megatron_lm_activations": printed["activations"]}
+            rows.append(row)
+    return rows
+
+
+def states(row: dict[str, Any], prefix: str = "") -> float:
+    """Weights + gradients + optimizer state of a :func:`memory_rows` row (``prefix="predicted_"``: predicted)."""
+    return sum(row[prefix + k] for k in ("weights", "gradients", "optimizer_state"))
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The most loaded rank of each technique, in MiB, with each predictor's relative error.
+
+    Returns:
+        Rows ``{"technique", "rank", "states MiB", "series", "Megatron-LM", "activations MiB", "series ", "Megatron-LM ",
+        "micro-batches in flight"}``; the predictor columns hold ``predicted/measured - 1`` (a fraction).
+    """
+    mib = 2 ** 20
+    out = []
+    for name in dict.fromkeys(r["technique"] for r in rows):
+        ranks = [r for r in rows if r["technique"] == name]
+        top = max(ranks, key=lambda r: states(r) + r["activations"])
+        first = next(r for r in ranks if r["rank"] == 0)
+        out.append({"technique": name, "rank": top["rank"],
+                    "states MiB": round(states(top) / mib, 2),
+                    "series error": states(top, "predicted_") / states(top) - 1,
+                    "Megatron-LM error": first.get("megatron_lm_states", float("nan")) / states(first) - 1,
+                    "activations MiB": round(top["activations"] / mib, 2),
+                    "series error ": top["predicted_activations"] / top["activations"] - 1,
+                    "Megatron-LM error ": first.get("megatron_lm_activations", float("nan")) / first["activations"] - 1,
+                    "in flight": f"{top['in_flight']} (predicted {top['predicted_in_flight']:g})"})
+    return out
+
+
+def plot_memory(rows: Sequence[dict[str, Any]], title: str = ""):
+    """Stacked bars of what each rank held (measured), with the series' prediction of each part as a
+    marker: one group of bars per technique, one bar per rank."""
+    import matplotlib.pyplot as plt
+
+    parts = ("weights", "gradients", "optimizer_state", "activations")
+    colours = ("#4c72b0", "#55a868", "#c44e52", "#8172b2")
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    names = list(dict.fromkeys(r["technique"] for r in rows))
+    x, ticks = 0.0, []
+    for name in names:
+        ranks = [r for r in rows if r["technique"] == name]
+        centres = []
+        for r in ranks:
+            bottom = 0.0
+            for part, colour in zip(parts, colours):
+                ax.bar(x, r[part] / 2 ** 20, 0.8, bottom=bottom, color=colour, label=part.replace("_", " ") if x == 0 else None)
+                bottom += r[part] / 2 ** 20
+            predicted = sum(r["predicted_" + p] for p in parts) / 2 ** 20
+            ax.plot([x - 0.4, x + 0.4], [predicted] * 2, "k-", lw=2, label="series' prediction (total)" if x == 0 else None)
+            centres.append(x)
+            x += 1
+        ticks.append((sum(centres) / len(centres), name + ("" if len(ranks) == 1 else f"\n({len(ranks)} ranks)")))
+        x += 0.7
+    ax.set_xticks([t for t, _ in ticks], [n for _, n in ticks], fontsize=8)
+    ax.set(ylabel="MiB per rank", title=title or "What each rank held: measured (bars) and predicted (lines)")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def timeline(records: Sequence[dict[str, Any]], iteration: int | None = None) -> list[dict[str, Any]]:
+    """The forward and backward passes of one iteration on every rank, in seconds from its first start.
+
+    Args:
+        records: :func:`helpers.learn.rank_record.read` of a pipeline run.
+        iteration: default: the last recorded.
+
+    Returns:
+        ``[{"rank", "kind", "chunk", "microbatch", "start", "end"}]`` sorted by rank and start.
+    """
+    it = iteration or max(e["iteration"] for r in records for e in r["events"])
+    events = [(r["pipeline_rank"], e) for r in records for e in r["events"] if e["iteration"] == it]
+    t0 = min(e["start"] for _, e in events)
+    return sorted(({"rank": rank, "kind": e["kind"], "chunk": e["chunk"], "microbatch": e["microbatch"],
+                    "start": e["start"] - t0, "end": e["end"] - t0} for rank, e in events),
+                  key=lambda e: (e["rank"], e["start"]))
+
+
+def measured_bubble(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The bubble as it ran: per iteration and rank, time not spent in a forward or backward
+    between the rank's first start and last end, over the time spent in them (Narayanan et al.'s
+    bubble time over ideal time, (p - 1)/(v m)); the median over ranks and iterations after the first.
+
+    Returns:
+        ``{"bubble": median ratio, "iterations": counted}``.
+    """
+    import statistics
+
+    ratios, its = [], sorted({e["iteration"] for r in records for e in r["events"]})
+    for it in its[1:] or its:
+        for r in records:
+            ev = [e for e in r["events"] if e["iteration"] == it]
+            busy = sum(e["end"] - e["start"] for e in ev)
+            span = max(e["end"] for e in ev) - min(e["start"] for e in ev)
+            ratios.append((span - busy) / busy)
+    return {"bubble": statistics.median(ratios), "iterations": len(its[1:] or its)}
+
+
+def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
+    """One panel per run: each pipeline rank's forwards (light) and backwards (dark) of one
+    iteration as they ran, labelled with the micro-batch (and model chunk ``c``)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.6 + 1.1 * len(runs)), squeeze=False)
+    for ax, (title, events) in zip(axes[:, 0], runs.items()):
+        chunks = max(e["chunk"] for e in events) + 1
+        for e in events:
+            shade = ("#9ecae1", "#3182bd") if e["chunk"] == 0 else ("#fdae6b", "#e6550d")
+            colour = shade[e["kind"] == "backward"]
+            ax.barh(e["rank"], e["end"] - e["start"], left=e["start"], height=0.7, color=colour, edgecolor="white")
+            label = f"{'F' if e['kind'] == 'forward' else 'B'}{e['microbatch'] + 1}" + (f"c{e['chunk']}" if chunks > 1 else "")
+            ax.text((e["start"] + e["end"]) / 2, e["rank"], label, ha="center", va="center", fontsize=7)
+        ranks = sorted({e["rank"] for e in events})
+        ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+        ax.invert_yaxis()
+        ax.set(title=title, xlabel="seconds from the iteration's first forward")
+    fig.tight_layout()
+    return fig
+
+
+__all__ = ["TECHNIQUES", "Technique", "measured_bubble", "megatron_lm_printed", "memory_rows",
+           "plot_memory", "plot_timelines", "run_techniques", "states", "summary_table", "timeline"]
