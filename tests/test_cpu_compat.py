@@ -353,3 +353,25 @@ def test_megatron_training_is_patched_only_in_a_process_that_runs_it():
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "30", "True", "CpuTorch"]
+
+
+def test_moe_router_end_to_end(dist1):
+    """A mixture of experts' router moves its weight to torch.cuda.current_device() at its first forward
+    (moe/router.py:98): unpatched that fails on a CPU; patched it stays on the CPU and scores every expert.
+    tests/test_moe.py trains with it on two expert-parallel ranks."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    cpu_compat.apply()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                               add_bias_linear=False, use_cpu_initialization=True)
+    router = TopKRouter(config, pg_collection=get_default_pg_collection())
+    tokens = torch.randn(3, 2, 8)
+    with cpu_compat.unpatched():
+        with pytest.raises(CUDA_ERRORS):
+            router.gating(tokens)
+    logits = router.gating(tokens)
+    assert logits.shape == (3, 2, 4) and router.weight.device.type == "cpu"
+    probs, routing_map = router(tokens)
+    assert probs.shape == routing_map.shape == (6, 4) and routing_map.sum(dim=1).eq(2).all()

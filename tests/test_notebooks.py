@@ -23,9 +23,13 @@ def _read(path):
 
 
 def test_series_is_numbered_from_00_without_gaps():
-    numbers = [int(p.stem[:2]) for p in NOTEBOOKS]
-    assert numbers == list(range(len(numbers))), numbers
-    assert all(re.fullmatch(r"\d\d_[a-z0-9_]+", p.stem) for p in NOTEBOOKS)
+    """NN_name, numbered from 00 without gaps; a notebook inserted after NN is NNb_name (05b), right after NN."""
+    stems = [p.stem.split("_")[0] for p in NOTEBOOKS]
+    numbers = [int(s) for s in stems if s.isdigit()]
+    assert numbers == list(range(len(numbers))), stems
+    inserted = [i for i, s in enumerate(stems) if not s.isdigit()]
+    assert all(re.fullmatch(r"\d\db", stems[i]) and stems[i - 1] == stems[i][:2] for i in inserted), stems
+    assert all(re.fullmatch(r"\d\db?_[a-z0-9_]+", p.stem) for p in NOTEBOOKS)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -125,8 +129,9 @@ MEGATRON_CONTRACT = {"forward_step", "loss_func"}
 #: A cell that is a part of a standalone script a notebook writes out (first line ``# NAME.py · ...``,
 #: issue 25) may define what that script needs without the series' helpers.
 SCRIPT_PART = re.compile(r"^# \w+\.py · ")
-#: Functions a notebook times, written on the page so the learner sees what is measured (issue 25).
-MEASURED_ON_THE_PAGE = {"04_fused_kernels": {"bias_gelu"}}
+#: Functions a notebook measures with, written on the page so the learner sees what is measured (issue 25): the
+#: function 04 times, and the pack hook 05b hands torch.autograd.graph.saved_tensors_hooks (issue 29).
+MEASURED_ON_THE_PAGE = {"04_fused_kernels": {"bias_gelu"}, "05b_memory_toolbox": {"pack"}}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
@@ -248,3 +253,27 @@ def test_the_library_calls_on_the_page_equal_the_helpers_and_the_proofs_hold(ser
     assert s06["standalone_converter_bit_identical"] is True and s06["greedy_tokens_equal"] is True
     assert s06["max_abs_logit_diff"] < 1e-4 and s06["tp2_bit_identical"] is True and s06["megatron_lm_legacy_bit_identical"] is True and s06["round_trip_bit_identical"] is True
     assert s06["hf_validation_loss"] == pytest.approx(s06["training_validation_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_the_memory_toolbox_trains_like_one_process_and_its_memory_is_predicted(series_run):
+    """Issue 29, notebook 05b in the smoke series: every saver (recomputation, the distributed optimizer, sequence
+    parallelism, the interleaved pipeline) and a mixture of experts over 2 ranks train the one-process losses; the
+    series' calculator predicts the states each rank measured exactly (Adam's step counters aside) and the
+    activations of the dense runs within 2 %; one layer's saved bytes equal the formula; the TP=2 x PP=2 checkpoint
+    converts to transformers with notebook 06's proofs."""
+    run_dir, _, summary = series_run
+    s = summary["05b_memory_toolbox"]
+    assert s["all_savers_match"] is True and s["moe_ep2_max_abs_loss_diff"] <= 1e-4
+    assert s["recompute selective_max_abs_loss_diff"] == 0 and s["recompute full_max_abs_loss_diff"] == 0
+    assert s["one_layer_saved_bytes"] == s["one_layer_formula_local"] > s["one_layer_formula_fused"]
+    err = s["largest_relative_error"]
+    assert err["series, states"] < 1e-3 and err["series, activations"] < 0.02 and 0.1 < err["Megatron-LM, states"] < 0.15
+    rows = {r["technique"]: r for r in s["memory"]}
+    assert rows["DP=2 distributed optimizer"]["states MiB"] < rows["DP=2"]["states MiB"]
+    assert rows["recompute full"]["activations MiB"] < rows["recompute selective"]["activations MiB"] < rows["baseline"]["activations MiB"]
+    assert rows["TP=2 sequence parallel"]["activations MiB"] < rows["TP=2"]["activations MiB"]
+    assert rows["PP=2 interleaved v=2"]["in flight"] == "5 (predicted 5)" and rows["PP=2 1F1B"]["in flight"] == "2 (predicted 2)"
+    assert s["tp2_pp2_to_hf_max_abs_logit_diff"] < 1e-4 and s["tp2_pp2_greedy_tokens_equal"] is True
+    for name in ("05b_memory_measured", "05b_pipeline_timelines"):
+        assert (run_dir / "figures" / f"{name}.png").stat().st_size > 10_000

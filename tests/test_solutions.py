@@ -71,7 +71,7 @@ def test_solutions_notebooks_are_stripped_titled_and_take_the_runners_parameters
     nb = nbformat.reads(json.dumps(raw), as_version=4)
     assert all("id" in c for c in raw["cells"])
     assert not [c for c in nb.cells if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith(f"# Solutions · {path.stem[:2]} ")
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith(f"# Solutions · {path.stem.split('_')[0]} ")
     assert "parameters" in nb.cells[1].metadata.get("tags", [])
     assert set(series.notebook_parameters(path)) >= set(series.RUNNER_PARAMETERS)
     for cell in nb.cells:

@@ -21,6 +21,7 @@ CFG = training_config.TrainingConfig()
     (dict(override_opt_param_scheduler="false"), r"^override_opt_param_scheduler='false' is a str, not bool"),
     (dict(pretrained_checkpoint=3), r"^pretrained_checkpoint=3 is a int, not str \| None"),
     (dict(model=replace(CFG.model, num_layers=2.0)), r"^model.num_layers=2.0 is a float, not int \(e.g. 4\)"),
+    (dict(expert_model_parallel_size=2.0), r"^expert_model_parallel_size=2.0 is a float, not int \(e.g. 1\)"),
 ])
 def test_fields_of_another_type_are_refused_naming_the_field(bad, match):
     with pytest.raises(TypeError, match=match):

@@ -89,13 +89,14 @@ class LayoutRun:
 
 
 def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_batch_size: int, global_batch_size: int,
-                      train_iters: int, split: str = "969,30,1", lr: float = 1e-3, seed: int = 1234) -> Any:
+                      train_iters: int, split: str = "969,30,1", lr: float = 1e-3, seed: int = 1234,
+                      folder: str = "parallelism") -> Any:
     """The training config every layout of notebook 05 shares (a ``helpers.learn.training_config.TrainingConfig``).
 
     The ``cpu`` training profile with the given model and batch, fp32, no dropout required but
     checked, the data of ``{run_dir}/data`` (notebook 01), a loss logged every iteration, one
     validation batch at the end, no intermediate checkpoints. Its own outputs go to
-    ``{run_dir}/parallelism/``.
+    ``{run_dir}/{folder}/`` (notebook 05: ``parallelism``; 05b: ``memory_toolbox``).
 
     Raises:
         ValueError: dropout is not 0 (per-rank dropout streams make layouts differ by design),
@@ -120,7 +121,7 @@ def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_b
         )
     warmup = max(1, min(10, train_iters // 5))
     return training_config.profile(
-        "cpu", str(run / "parallelism"), model=model, data_prefix=str(run / "data" / "codeparrot_content_document"),
+        "cpu", str(run / folder), model=model, data_prefix=str(run / "data" / "codeparrot_content_document"),
         tokenizer_dir=str(run / "data" / "tokenizer"), split=split, micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size, train_iters=train_iters, lr=lr, min_lr=lr / 10,
         lr_warmup_iters=warmup if warmup < train_iters else 0, seed=seed, precision="fp32",

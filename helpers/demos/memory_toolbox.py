@@ -60,6 +60,14 @@ TECHNIQUES: tuple[Technique, ...] = (
 )
 
 
+#: A mixture of experts (``model.num_experts``) on one process, and with its experts split over 2 ranks.
+MOE_TECHNIQUES: tuple[Technique, ...] = (
+    Technique("MoE, one process", Layout(1, 1, 1), {}, "nothing: every expert on one rank", "-"),
+    Technique("MoE EP=2", Layout(1, 1, 2), {"expert_model_parallel_size": 2},
+              "the experts: 1/EP of them per rank", "each token sent to its experts' ranks and back"),
+)
+
+
 def _folder_name(name: str) -> str:
     return "toolbox_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
@@ -130,7 +138,8 @@ def memory_rows(base: Any, runs: dict[str, LayoutRun], techniques: Sequence[Tech
                                  precision=cfg.precision, distributed_optimizer=cfg.use_distributed_optimizer,
                                  recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel,
                                  num_virtual_stages=cfg.num_virtual_stages_per_pipeline_rank,
-                                 fused=cfg.layer_spec != "local", stage=rec["pipeline_rank"])
+                                 fused=cfg.layer_spec != "local", expert_model_parallel_size=cfg.expert_model_parallel_size,
+                                 stage=rec["pipeline_rank"])
             row = {"technique": name, "rank": rec["rank"], "tp": rec["tensor_rank"], "pp": rec["pipeline_rank"],
                    "dp": rec["data_rank"], "parameters": rec["parameters"], "predicted_parameters": est.parameters,
                    "weights": rec["weights"], "gradients": rec["gradients"], "optimizer_state": rec["optimizer_state"],
@@ -264,5 +273,5 @@ def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
     return fig
 
 
-__all__ = ["TECHNIQUES", "Technique", "measured_bubble", "megatron_lm_printed", "memory_rows",
+__all__ = ["MOE_TECHNIQUES", "TECHNIQUES", "Technique", "measured_bubble", "megatron_lm_printed", "memory_rows",
            "plot_memory", "plot_timelines", "run_techniques", "states", "summary_table", "timeline"]

@@ -35,7 +35,7 @@ NON_MODEL_KEY_PREFIXES: tuple[str, ...] = ("optimizer.", "rng_state", "opt_param
 
 #: ModelConfig fields that must match to resume: a different value means a different model shape.
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-              "max_position_embeddings", "padded_vocab_size", "tied_embeddings", "gelu")
+              "max_position_embeddings", "padded_vocab_size", "tied_embeddings", "gelu", "num_experts")
 
 
 class CheckpointMismatchError(ValueError):

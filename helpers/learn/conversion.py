@@ -224,7 +224,7 @@ def check_architecture(meta: Mapping[str, Any], state_dict: Mapping[str, Any] | 
     GPT-2 is: learned absolute positions, LayerNorm with bias, 4 projections with biases,
     GELU (erf or tanh) without gating, as many key/value heads as query heads. Checked from
     the metadata (``position_embedding_type``, ``normalization``, ``gated_linear_unit`` /
-    ``swiglu``, ``num_query_groups``, ``add_bias_linear``, ``gelu``; no other key is looked at)
+    ``swiglu``, ``num_query_groups``, ``add_bias_linear``, ``gelu``, ``num_experts``; no other key is looked at)
     and, when given, from the tensors of a (local-spec-named) state dict (no position table = RoPE, LayerNorm without
     bias = RMSNorm, ``linear_fc1`` twice as wide as ``linear_fc2`` = gated MLP, QKV rows
     != 3h = grouped-query attention).
@@ -233,6 +233,8 @@ def check_architecture(meta: Mapping[str, Any], state_dict: Mapping[str, Any] | 
         ConversionError: the reasons, one per line.
     """
     r: list[str] = []
+    if meta.get("num_experts"):
+        r.append(f"num_experts={meta['num_experts']} (a mixture of experts: GPT2LMHeadModel has one MLP per layer)")
     if meta.get("position_embedding_type", "learned_absolute") != "learned_absolute":
         r.append(f"position_embedding_type={meta['position_embedding_type']!r} (GPT-2 has a learned absolute "
                  "position table; RoPE is not representable)")

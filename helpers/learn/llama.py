@@ -86,6 +86,9 @@ def check_llama(meta: Mapping[str, Any]) -> None:
     """
     wanted = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False}
     r = [f"{k}={meta.get(k)!r} (a Llama has {v!r})" for k, v in wanted.items() if meta.get(k) != v]
+    if meta.get("num_experts"):
+        r.append(f"num_experts={meta['num_experts']} (a mixture of experts: LlamaForCausalLM has one MLP per layer; "
+                 "transformers' MixtralForCausalLM holds experts, which the series does not convert to)")
     if r:
         raise ConversionError("this checkpoint is not a Llama architecture and cannot become a transformers "
                               "LlamaForCausalLM exactly:\n  - " + "\n  - ".join(r))

@@ -243,7 +243,13 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
         "squared_relu": bool(a.get("squared_relu")),
         "quick_geglu": bool(a.get("quick_geglu")), "gated_linear_unit": bool(a.get("gated_linear_unit")) and not is_llama,
         "kv_channels": a.get("kv_channels") not in (None, hidden // heads if hidden and heads else None),
-        "num_experts": bool(a.get("num_experts")), "multi_latent_attention": bool(a.get("multi_latent_attention")),
+        # a mixture of experts is read (a Llama's MLP in each of num_experts experts, to resume or reshard it; the
+        # converters to transformers refuse it), but only Megatron-LM's plain one: every layer, no shared expert
+        "num_experts": bool(a.get("num_experts")) and not is_llama,
+        "moe_layer_freq": bool(a.get("num_experts")) and a.get("moe_layer_freq", 1) not in (None, 1),
+        "moe_ffn_hidden_size": bool(a.get("num_experts")) and a.get("moe_ffn_hidden_size") not in (None, a.get("ffn_hidden_size")),
+        "moe_shared_expert_intermediate_size": a.get("moe_shared_expert_intermediate_size") is not None,
+        "multi_latent_attention": bool(a.get("multi_latent_attention")),
         "qk_layernorm": bool(a.get("qk_layernorm")), "apply_layernorm_1p": bool(a.get("apply_layernorm_1p")),
         "layernorm_zero_centered_gamma": bool(a.get("layernorm_zero_centered_gamma")),
         "apply_residual_connection_post_layernorm": bool(a.get("apply_residual_connection_post_layernorm")),
@@ -276,6 +282,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     groups = int(a["num_query_groups"]) if is_llama and a.get("group_query_attention") and a.get("num_query_groups") else None
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                  num_query_groups=groups, rotary_base=int(a.get("rotary_base") or 10000)) if is_llama else {}
+    if a.get("num_experts"):
+        llama |= {"num_experts": int(a["num_experts"]), "moe_router_topk": int(a.get("moe_router_topk") or 2)}
     try:
         cfg = ModelConfig(
             num_layers=int(a["num_layers"]), hidden_size=int(hidden), num_attention_heads=int(heads),

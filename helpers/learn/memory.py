@@ -43,7 +43,8 @@ CHECKPOINT_OVERHEAD_BYTES_PER_RANK = 512 * 1024
 
 
 def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
-                        pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0) -> int:
+                        pipeline_model_parallel_size: int = 1, pipeline_rank: int = 0,
+                        expert_model_parallel_size: int = 1) -> int:
     """Parameters held by one GPU: its tensor-parallel shard of its pipeline stage.
 
     Per layer (h hidden, f MLP width, t TP size): column-parallel QKV (3h^2 + 3h)/t and fc1
@@ -53,28 +54,33 @@ def parameters_per_rank(model: ModelConfig, tensor_model_parallel_size: int = 1,
     the vocab-parallel word embeddings V_pad*h/t and the position embeddings P*h (replicated; none
     with RoPE); the last stage the final norm (2h; h for RMSNorm) and the output layer V_pad*h/t, which, with tied embeddings, is a
     *copy* of the word embeddings when PP > 1 and absent when PP = 1 (megatron-core
-    ``LanguageModule.setup_embeddings_and_output_layer``). Source: megatron-core
+    ``LanguageModule.setup_embeddings_and_output_layer``). A mixture of experts (``model.num_experts`` E):
+    each layer's router, E*h, replicated, and E/EP of the experts (``expert_model_parallel_size`` EP),
+    each split over TP like a dense MLP. Source: megatron-core
     ``tensor_parallel/layers.py``, ``models/gpt/gpt_model.py``. Equals ``sum(p.numel())`` on
     that rank (checked in notebook 05 on real ranks).
 
     Raises:
-        ValueError: a layout :func:`check_layout` refuses, or ``pipeline_rank`` out of range.
+        ValueError: a layout :func:`check_layout` refuses, ``pipeline_rank`` out of range, or an expert-parallel
+            size that does not divide the experts.
     """
     t, p = tensor_model_parallel_size, pipeline_model_parallel_size
     check_layout(model, Layout(t, p, 1))
     if not 0 <= pipeline_rank < p:
         raise ValueError(f"pipeline_rank={pipeline_rank} must be in [0, {p})")
-    return _parameters_per_rank(model, t, p, pipeline_rank)
+    return _parameters_per_rank(model, t, p, pipeline_rank, expert_model_parallel_size)
 
 
-def _parameters_per_rank(model: ModelConfig, t: int, p: int, pipeline_rank: int) -> int:
+def _parameters_per_rank(model: ModelConfig, t: int, p: int, pipeline_rank: int, ep: int = 1) -> int:
     """:func:`parameters_per_rank` of a layout already checked."""
+    if ep > 1 and (not model.num_experts or model.num_experts % ep):
+        raise ValueError(f"expert_model_parallel_size={ep} must divide model.num_experts={model.num_experts}")
     h = model.hidden_size
     v = model.padded_vocab_size(t)
     part = layer_parameters(model)
     replicated_bias = h * int(model.add_bias_linear)  # the row-parallel layers' (projection, fc2) biases
-    per_layer = (part["qkv"] + part["proj"] - replicated_bias + part["fc1"] + part["fc2"] - replicated_bias) // t \
-        + 2 * replicated_bias + part["norms"]
+    per_layer = (part["qkv"] + part["proj"] - replicated_bias + (part["fc1"] + part["fc2"]) // ep - replicated_bias) // t \
+        + 2 * replicated_bias + part["norms"] + part.get("router", 0)
     total = model.num_layers // p * per_layer
     if pipeline_rank == 0:
         total += v * h // t + (model.max_position_embeddings * h if model.position_embedding_type == "learned_absolute" else 0)
@@ -122,6 +128,10 @@ def activation_bytes_per_layer(model: ModelConfig, micro_batch_size: int, tensor
     ``x_up + glu_linear_offset`` is one more ``e*s*b*f`` copy; RoPE keeps a cos and a sin for Q and for K
     (``4*e*s*d``).
 
+    A mixture of experts (``model.num_experts``) runs each token through ``moe_router_topk`` k experts: the
+    MLP's term counts k times (an estimate by the same accounting, not measured against megatron-core's
+    ``MoELayer``, whose router probabilities and permuted token copies add a little more).
+
     Args:
         bytes_per_value: 2 for bf16/fp16 training, 4 for fp32 (:data:`ACTIVATION_BYTES`).
         dropout: whether dropout masks are kept; default: the model's dropout is not 0.
@@ -140,7 +150,8 @@ def activation_bytes_per_layer(model: ModelConfig, micro_batch_size: int, tensor
     if recompute == "full":
         return e * s * b * h / whole_t
     kv = 2 * s * b * (model.query_groups if fused else a) * (h // a)
-    mlp = (4 + (0 if fused else 1) if model.swiglu else 2) * s * b * model.ffn_size
+    mlp = (4 + (0 if fused else 1) if model.swiglu else 2) * s * b * model.ffn_size \
+        * (model.moe_router_topk if model.num_experts else 1)
     whole = (4 * e + (2 if dropout else 0)) * s * b * h / whole_t
     split = e * (2 * s * b * h + kv + mlp) / t
     attention = (e + (1 + e if dropout else 0)) * a * s * s * b / t
@@ -228,7 +239,7 @@ def checkpoint_bytes(model: ModelConfig, precision: str = "bf16", world_size: in
 def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int = 1, num_microbatches: int = 1,
                    precision: str = "bf16", distributed_optimizer: bool = False, recompute: str = "none",
                    sequence_parallel: bool = False, num_virtual_stages: int | None = None,
-                   fused: bool = True, stage: int | None = None) -> MemoryEstimate:
+                   fused: bool = True, expert_model_parallel_size: int = 1, stage: int | None = None) -> MemoryEstimate:
     """Bytes per GPU of weights, gradients, optimizer state and activations for one layout.
 
     * weights, gradients, optimizer state: :func:`parameters_per_rank` x
@@ -255,6 +266,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
         fused: the fused kernels' activations (GPUs with Transformer Engine); False: megatron-core's
             local layers' (:func:`activation_bytes_per_layer`; on the last stage also the final
             norm's extra tensors and the fp32 loss mask, ``4*s*b``).
+        expert_model_parallel_size: the experts of a mixture split over this many ranks (:func:`parameters_per_rank`).
         stage: the pipeline rank to describe; default: the stage with the largest total.
 
     Returns:
@@ -278,7 +290,7 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
     dropout = bool(model.hidden_dropout or model.attention_dropout)
     estimates = []
     for r in range(p) if stage is None else [stage]:
-        n = _parameters_per_rank(model, t, p, r)
+        n = _parameters_per_rank(model, t, p, r, expert_model_parallel_size)
         in_flight = microbatches_in_flight(p, num_microbatches, r, num_virtual_stages)
         act = layer * (model.num_layers // p) * in_flight
         if r == 0 and dropout:

@@ -82,6 +82,17 @@ class ModelConfig:
             with) or ``"sdpa"`` (torch's fused ``scaled_dot_product_attention``,
             :class:`helpers.learn.attention.SDPAttention`, which notebook 04 measures against it).
             Ignored by the Transformer Engine spec, which has fused attention of its own.
+        num_experts: ``None``: each layer's MLP is dense. Else a mixture of experts (Shazeer et al. 2017,
+            arXiv:1701.06538; Fedus et al. 2022, "Switch Transformers", arXiv:2101.03961) in every layer:
+            ``num_experts`` MLPs of width ``ffn_size`` and a router, a ``[num_experts, h]`` linear layer without
+            bias, which sends each token to ``moe_router_topk`` experts and sums their outputs weighted by its
+            softmax over the chosen experts' scores (Megatron-LM ``--num-experts``; megatron-core 0.19.2
+            ``transformer/moe/router.py`` ``TopKRouter``, ``moe_layer.py`` ``MoELayer``, and the local spec's
+            ``experts.py`` ``SequentialMLP``). Needs ``add_bias_linear=False``: with biases, an expert's MLP adds
+            its ``linear_fc2`` bias in place to the output of a tensor-parallel reduce that, with the experts on
+            one rank, is a view of its input, which autograd refuses (megatron-core 0.19.2
+            ``transformer/mlp.py:354``; Mixtral's experts have no biases either).
+        moe_router_topk: experts each token is sent to (``--moe-router-topk``, Megatron-LM's default 2).
     """
 
     num_layers: int = 4
@@ -107,6 +118,8 @@ class ModelConfig:
     num_query_groups: int | None = None
     add_bias_linear: bool = True
     rotary_base: int = 10000
+    num_experts: int | None = None
+    moe_router_topk: int = 2
 
     def __post_init__(self) -> None:
         if self.core_attention not in CORE_ATTENTIONS:
@@ -134,6 +147,15 @@ class ModelConfig:
             raise ValueError(f"hidden_size={self.hidden_size} / num_attention_heads={self.num_attention_heads} = "
                              f"{self.hidden_size // self.num_attention_heads} per head is odd: rotary embeddings rotate "
                              "pairs of dimensions, so a head needs an even size; pick heads that give one")
+        if self.num_experts is not None:
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"moe_router_topk={self.moe_router_topk} must be between 1 and num_experts="
+                                 f"{self.num_experts}: each token goes to that many distinct experts")
+            if self.add_bias_linear:
+                raise ValueError(f"num_experts={self.num_experts} with add_bias_linear=True: megatron-core 0.19.2 adds an "
+                                 "expert's fc2 bias in place to a view autograd refuses (transformer/mlp.py:354) when "
+                                 "the experts are not split over ranks; set add_bias_linear=False (no linear biases, "
+                                 "as in Mixtral)")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
@@ -290,13 +312,17 @@ def layer_parameters(cfg: ModelConfig) -> dict[str, int]:
 
     With d = h / heads and g key/value heads: QKV ``h*(heads + 2g)*d`` (3h^2 with g = heads),
     projection ``h^2``, MLP ``h*f`` per matrix (two; three with SwiGLU), each linear layer with its
-    bias when ``add_bias_linear``; two norms of 2h (LayerNorm) or h (RMSNorm).
+    bias when ``add_bias_linear``; two norms of 2h (LayerNorm) or h (RMSNorm). A mixture of experts
+    (``num_experts`` E) holds E copies of fc1 and fc2 and adds ``"router"``, ``E*h`` (megatron-core 0.19.2
+    ``transformer/moe/router.py``: ``TopKRouter.weight`` ``[E, h]``, no bias).
     """
     h, f, b = cfg.hidden_size, cfg.ffn_size, int(cfg.add_bias_linear)
     qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * (h // cfg.num_attention_heads)
     fc1_rows = 2 * f if cfg.swiglu else f
-    return {"qkv": qkv_rows * h + b * qkv_rows, "proj": h * h + b * h, "fc1": fc1_rows * h + b * fc1_rows,
-            "fc2": f * h + b * h, "norms": 2 * norm_parameters(cfg)}
+    experts = cfg.num_experts or 1
+    parts = {"qkv": qkv_rows * h + b * qkv_rows, "proj": h * h + b * h, "fc1": experts * (fc1_rows * h + b * fc1_rows),
+             "fc2": experts * (f * h + b * h), "norms": 2 * norm_parameters(cfg)}
+    return parts | ({"router": cfg.num_experts * h} if cfg.num_experts else {})
 
 
 def norm_parameters(cfg: ModelConfig) -> int:
@@ -326,7 +352,8 @@ def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int
     Per layer, forward matmuls cost 2 FLOPs per multiply-add: QKV and projection 8h^2 (less with
     grouped-query attention: 2h*(heads + 2g)*d + 2h^2), MLP 4hf (6hf with SwiGLU's three matrices),
     attention scores and the weighted sum 4sh; the logits 2hV. Backward costs twice
-    the forward (3x in all; 4x for the layers with full activation recomputation). With f=4h:
+    the forward (3x in all; 4x for the layers with full activation recomputation). A mixture of experts
+    runs each token through ``moe_router_topk`` k experts (the MLP term k times) and its router, ``2hE``. With f=4h:
     ``72*l*h^2*(1 + s/(6h) + V/(12*l*h))`` per token, i.e. 6N plus the attention term 12*l*s*h.
 
     Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -336,7 +363,8 @@ def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int
     h, f, s, l = cfg.hidden_size, cfg.ffn_size, cfg.seq_length, cfg.num_layers
     v = cfg.padded_vocab_size()
     qkv_rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * (h // cfg.num_attention_heads)
-    layer_fwd = 2 * h * qkv_rows + 2 * h * h + (6 if cfg.swiglu else 4) * h * f + 4 * s * h
+    k, router = (cfg.moe_router_topk, 2 * h * cfg.num_experts) if cfg.num_experts else (1, 0)
+    layer_fwd = 2 * h * qkv_rows + 2 * h * h + k * (6 if cfg.swiglu else 4) * h * f + router + 4 * s * h
     layer_factor = 4 if activation_recompute else 3
     return l * layer_fwd * layer_factor + 3 * 2 * h * v
 
@@ -503,6 +531,8 @@ def transformer_config(cfg: ModelConfig, *, tensor_model_parallel_size: int = 1,
         params_dtype=torch.float32,
         enable_autocast=autocast_dtype is not None,
         autocast_dtype=autocast_dtype,
+        **({"num_moe_experts": cfg.num_experts, "moe_router_topk": cfg.moe_router_topk, "moe_ffn_hidden_size": cfg.ffn_size,
+            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather"} if cfg.num_experts else {}),
     )
 
 
@@ -539,6 +569,7 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -557,11 +588,15 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
         raise ValueError(f"layer_spec={layer_spec!r}: choose 'auto', 'local' or 'te'")
     if use_te and not transformer_engine_available():
         raise ValueError("layer_spec='te' but Transformer Engine is not importable; use 'local'")
-    spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization=cfg.normalization)
+    if cfg.num_experts:  # as Megatron-LM's gpt_builders: a block spec whose layers hold MoE MLPs
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=cfg.normalization)
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec() if use_te else get_gpt_layer_local_spec(normalization=cfg.normalization)
     if not use_te and cfg.core_attention == "sdpa":
         from helpers.learn.attention import SDPAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

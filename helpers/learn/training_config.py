@@ -66,6 +66,11 @@ class TrainingConfig:
     ``num_virtual_stages_per_pipeline_rank`` (PP > 1): each rank holds that many non-adjacent chunks of
     layers and runs the interleaved 1F1B schedule (Narayanan et al. 2021, section 2.2;
     ``--num-virtual-stages-per-pipeline-rank``); ``None``: one stage per rank.
+    ``expert_model_parallel_size`` (a mixture of experts, ``model.num_experts``): the experts of each layer split
+    over that many ranks, carved out of the data-parallel ones (Lepikhin et al. 2021, "GShard", arXiv:2006.16668;
+    ``--expert-model-parallel-size``): each rank keeps ``num_experts / EP`` experts, and every token is sent to
+    the rank of each expert its router chose and back (megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``,
+    ``MoEAllGatherTokenDispatcher`` on a CPU); the arithmetic is the one-process model's.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -105,6 +110,7 @@ class TrainingConfig:
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
     num_virtual_stages_per_pipeline_rank: int | None = None
+    expert_model_parallel_size: int = 1
 
     # ----------------------------------------------------------------- derived paths
     @property
@@ -230,6 +236,9 @@ class TrainingConfig:
                 decay style, bf16/fp16 without CUDA.
             FileNotFoundError: the data prefix's ``.bin``/``.idx`` or the tokenizer is missing.
             ValueError: ``split`` leaves a part with no documents (megatron-core would hang).
+            ValueError: ``expert_model_parallel_size`` > 1 without ``model.num_experts``, or not dividing both the
+                experts and the data-parallel size (Megatron-LM's ``validate_args``, megatron-core's
+                ``parallel_state.initialize_model_parallel``).
             ValueError: a float that is not finite, or outside what AdamW training can use
                 (``lr`` above 1, ``adam_beta*`` outside [0, 1), ``adam_eps`` not positive,
                 negative ``weight_decay`` or ``clip_grad``).
@@ -258,7 +267,7 @@ class TrainingConfig:
                 raise ValueError(f"{name}={getattr(self, name)} {rule}")
         for name in ("micro_batch_size", "global_batch_size", "train_iters", "log_interval",
                      "eval_iters", "eval_interval", "tensor_model_parallel_size",
-                     "pipeline_model_parallel_size"):
+                     "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         dp = self.data_parallel_size(world_size)
@@ -287,6 +296,12 @@ class TrainingConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size >= 2: it splits the activations "
                              "outside attention and the MLP over the tensor-parallel ranks")
+        ep, experts = self.expert_model_parallel_size, self.model.num_experts
+        if ep > 1 and (not experts or experts % ep or dp % ep):
+            raise ValueError(f"expert_model_parallel_size={ep} with model.num_experts={experts} and a data-parallel size of "
+                             f"{dp}: expert parallelism splits the experts (model.num_experts, a multiple of {ep}) over "
+                             f"{ep} of the data-parallel ranks (their number, world size / (TP x PP), a multiple of {ep}); "
+                             "1: every rank holds every expert")
         if not files:
             return dp
         prefix = self.data_prefix_path

@@ -19,6 +19,8 @@ import re
 import sys
 from pathlib import Path
 
+from helpers.runner.series import NOTEBOOK_GLOB
+
 ROOT = Path(__file__).resolve().parents[2]
 _NOTEBOOK_LINK = re.compile(r'href="(\.\./notebooks/|\./|\.\./)?(solutions/)?(\d\d_[\w]+)\.ipynb(#[^"]*)?"')
 
@@ -51,14 +53,14 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
     from nbconvert.filters import markdown2html
 
     run = Path(run_dir).expanduser().resolve()
-    pages = sorted((run / "executed").glob("[0-9][0-9]_*.ipynb"))
+    pages = sorted((run / "executed").glob(NOTEBOOK_GLOB))
     if not pages:
         raise FileNotFoundError(f"no executed notebooks in {run / 'executed'}: run the series first (make tutorial)")
     out = Path(out_dir) if out_dir else run / "book"
     out.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter(template_name="lab")
     entries: dict[str, list[str]] = {"": [], "solutions/": []}
-    solutions = sorted((run / "executed" / "solutions").glob("[0-9][0-9]_*.ipynb"))  # make solutions
+    solutions = sorted((run / "executed" / "solutions").glob(NOTEBOOK_GLOB))  # make solutions
     if solutions:
         (out / "solutions").mkdir(exist_ok=True)
     for path, sub in [(p, "") for p in pages] + [(p, "solutions/") for p in solutions]:

@@ -152,6 +152,12 @@ FLAGS: tuple[Flag, ...] = (
          "model.num_query_groups below the heads: grouped-query attention"),
     Flag("--num-query-groups", lambda cfg: cfg.model.query_groups if cfg.model.query_groups < cfg.model.num_attention_heads
          else False, "model.num_query_groups"),
+    # a mixture of experts (model.num_experts) and expert parallelism
+    Flag("--num-experts", lambda cfg: cfg.model.num_experts or False, "model.num_experts: a mixture of experts per layer"),
+    Flag("--moe-router-topk", lambda cfg: cfg.model.moe_router_topk if cfg.model.num_experts else False,
+         "model.moe_router_topk: experts per token"),
+    Flag("--expert-model-parallel-size", lambda cfg: cfg.expert_model_parallel_size if cfg.expert_model_parallel_size > 1
+         else False, "expert_model_parallel_size: the experts split over data-parallel ranks"),
     # the memory savers: activation recomputation (Korthikanti et al. 2022), the distributed optimizer (ZeRO-1)
     Flag("--use-distributed-optimizer", _switch(lambda cfg: cfg.use_distributed_optimizer),
          "use_distributed_optimizer: optimizer state sharded over the data-parallel ranks"),
@@ -185,10 +191,15 @@ CPU_FLAGS: tuple[tuple[str, str | None, str], ...] = (
 )
 #: What a CPU adds for rotary embeddings (a Llama): megatron-core's fused RoPE is Transformer Engine's.
 CPU_ROPE_FLAG = ("--no-rope-fusion", None, "the fused rotary-embedding kernel is Transformer Engine's (CUDA)")
+#: What a CPU adds for a mixture of experts: the all-gather token dispatcher (Megatron-LM's default, given
+#: explicitly); the all-to-all one copies routing counts to the host on a side CUDA stream and waits on its event
+#: (megatron-core 0.19.2 transformer/moe/token_dispatcher.py:469, 922-950), which a CPU stream does not record.
+CPU_MOE_FLAG = ("--moe-token-dispatcher-type", "allgather", "the all-to-all dispatcher synchronises CUDA streams")
 
 
 def _cpu_flags(cfg: TrainingConfig) -> tuple[tuple[str, str | None, str], ...]:
-    return CPU_FLAGS + ((CPU_ROPE_FLAG,) if cfg.model.position_embedding_type == "rope" else ())
+    return CPU_FLAGS + ((CPU_ROPE_FLAG,) if cfg.model.position_embedding_type == "rope" else ()) \
+        + ((CPU_MOE_FLAG,) if cfg.model.num_experts else ())
 
 
 def _text(value: Any) -> str:

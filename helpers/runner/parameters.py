@@ -64,6 +64,8 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "05_parallelism": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
                            "micro_batch_size": 4, "global_batch_size": 8, "train_iters": 3, "timeout_s": 300,
                            "run_pp_own_init": False},
+        "05b_memory_toolbox": {"hidden_size": 64, "num_attention_heads": 4, "seq_length": 64, "train_iters": 4,
+                               "timeout_s": 300},
         "06_conversion": {"max_new_tokens": 8, "continue_iters": 2},
         "07_evaluation": {"valid_max_documents": 4, "valid_max_chars": 1500, "heldout_max_files": 2, "heldout_max_chars": 1500,
                           "num_samples": 2, "max_new_tokens": 16, "num_candidates": 2, "pass_k": 2, "candidate_tokens": 16,

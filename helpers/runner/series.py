@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = NOTEBOOK_DIR / "solutions"
 RUNS_DIR = ROOT / "runs"
+#: A series notebook's file name: ``NN_name.ipynb``, or ``NNb_name.ipynb`` for one inserted after NN (05b).
+NOTEBOOK_GLOB = "[0-9][0-9]*_*.ipynb"
 
 #: The files of a run folder that each notebook makes for later notebooks.
 PRODUCES: dict[str, tuple[str, ...]] = {
@@ -62,6 +64,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "02_data_loader": ("01_data_preprocessing",),
     "03_training": ("01_data_preprocessing",),
     "05_parallelism": ("01_data_preprocessing",),
+    "05b_memory_toolbox": ("01_data_preprocessing",),
     "06_conversion": ("01_data_preprocessing", "03_training"),
     "07_evaluation": ("01_data_preprocessing", "03_training", "06_conversion"),
 }
@@ -104,8 +107,8 @@ def default_profile() -> str:
 
 
 def notebooks(notebook_dir: Path | None = None) -> list[Path]:
-    """The series' notebooks ``NN_name.ipynb`` in reading order (default: ``notebooks/``)."""
-    return sorted((notebook_dir or NOTEBOOK_DIR).glob("[0-9][0-9]_*.ipynb"))
+    """The series' notebooks (:data:`NOTEBOOK_GLOB`) in reading order (default: ``notebooks/``)."""
+    return sorted((notebook_dir or NOTEBOOK_DIR).glob(NOTEBOOK_GLOB))
 
 
 def stages_needed(stem: str, run_dir: str | os.PathLike) -> list[str]:

@@ -255,6 +255,9 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
          "get_grad_norm_fp32 accumulates the norm on device='cuda'"),
     Shim("optimizer", "megatron.core.optimizer.optimizer", {315: _CUDA1, 1249: _CUDA1},
          "FP32Optimizer keeps its loss scale, and the optimizer its found-inf flag, on device='cuda'"),
+    Shim("moe_router", "megatron.core.transformer.moe.router", {98: _CUR, 184: _CUR, 193: _CUR, 207: _CUR, 213: _CUR},
+         "a mixture-of-experts router (--num-experts) moves its weight to torch.cuda.current_device() at its first "
+         "forward, and keeps its expert-bias and global aux-loss counters there"),
     Shim("fused_adamw", "megatron.core.optimizer",
          {557: "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam"},
          "without Transformer Engine or Apex, whose FusedAdam is CUDA only, Megatron-LM steps torch's "
@@ -626,7 +629,8 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
     Makes these work on CPU over gloo: ``GPTModel`` forward/backward (local spec),
     ``tensor_parallel.model_parallel_cuda_manual_seed`` and the RNG tracker (dropout),
     ``pipeline_parallel.get_forward_backward_func()`` schedules at PP=1 and PP>1,
-    megatron-core ``DistributedDataParallel`` grad buffers, ``get_megatron_optimizer``, and
+    megatron-core ``DistributedDataParallel`` grad buffers, ``get_megatron_optimizer``, a mixture of
+    experts' router (its experts over expert-parallel ranks with the all-gather dispatcher), and
     ``dist_checkpointing`` save/load in the torch_dist format; and, in a process that runs it,
     Megatron-LM's own loop, ``megatron.training.pretrain`` (:data:`TRAINING_SHIMS`). See
     :data:`SHIMS` for the exact megatron-core 0.19.2 lines.
