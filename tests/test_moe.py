@@ -26,6 +26,7 @@ def _rows(result) -> list[tuple[int, float, float]]:
     return [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]
 
 
+@pytest.mark.trains
 def test_expert_parallelism_on_two_ranks_trains_what_one_process_trains(data, tmp_path):  # noqa: F811
     """EP=2 (each rank holds 2 of the 4 experts of each layer; the all-gather dispatcher brings every token to the
     rank of its experts and back) against one process holding all 4, both from the same initial weights: the one

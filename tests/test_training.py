@@ -206,17 +206,30 @@ def uninterrupted(data, tmp_path_factory):
 def test_activation_recomputation_trains_the_same_losses_and_gradients(uninterrupted, data, tmp_path, recompute):
     """Issue 29, first step: recomputing activations in backward (Megatron-LM's --recompute-activations, or
     --recompute-granularity full) repeats the forward's arithmetic, so every loss and gradient norm equals the
-    reference run's exactly; only memory and time change."""
+    reference run's exactly; only memory and time change. Recorded by helpers.learn.rank_record (notebook 05b's
+    probe), which changes nothing either: the run held the states the calculator predicts, and the activations."""
+    from helpers.learn import memory, rank_record
+    from helpers.learn import model as model_lib
     from helpers.runner import megatron_args
 
     cfg = tiny_config(data, tmp_path / recompute, recompute=recompute)
     flags = megatron_args.arguments(cfg, cpu=True)
     assert ("--recompute-activations" in flags) == (recompute == "selective")
     assert (flags[flags.index("--recompute-granularity") + 1] == "full") if recompute == "full" else "--recompute-granularity" not in flags
-    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False, env={"OMP_NUM_THREADS": "1"})
+    result = launch.train(cfg, nproc_per_node=1, timeout_s=300, progress=False,
+                          env={"OMP_NUM_THREADS": "1", rank_record.ENV: str(tmp_path / "ranks")})
     ours = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in result.metrics["iteration"]]
     reference = [(r["iteration"], r["lm_loss"], r["grad_norm"]) for r in uninterrupted[1].metrics["iteration"]]
     assert len(ours) == 12 and ours == reference
+    (rec,) = rank_record.read(tmp_path / "ranks")
+    n = result.summary["parameters"]
+    assert rec["parameters"] == n and rec["weights"] == 4 * n and rec["gradient_values"] == 4 * n <= rec["gradients"]
+    steps = rec["optimizer_state"] - 8 * n  # Adam's moments, 8 bytes per parameter, and a 4-byte step per tensor
+    assert 0 < steps <= 4 * 64 and steps % 4 == 0
+    assert [e["kind"] for e in rec["events"] if e["iteration"] == 12] == ["forward", "backward"] * 2  # 2 micro-batches
+    predicted = memory.memory_per_gpu(cfg.model, model_lib.Layout(1, 1, 1), micro_batch_size=4, num_microbatches=2, precision="fp32",
+                                      recompute=recompute, fused=False).activations
+    assert rank_record.activation_peak(rec)["bytes"] == pytest.approx(predicted, rel=0.02)
     with pytest.raises(ValueError, match="recompute='some': choose one of 'none', 'selective', 'full'"):
         tiny_config(data, tmp_path / "bad", recompute="some").check(world_size=1)
 

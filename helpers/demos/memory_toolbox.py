@@ -204,11 +204,13 @@ def plot_memory(rows: Sequence[dict[str, Any]], title: str = ""):
             ax.plot([x - 0.4, x + 0.4], [predicted] * 2, "k-", lw=2, label="series' prediction (total)" if x == 0 else None)
             centres.append(x)
             x += 1
-        ticks.append((sum(centres) / len(centres), name + ("" if len(ranks) == 1 else f"\n({len(ranks)} ranks)")))
+        label = name.replace(" ", "\n", 1) + ("" if len(ranks) == 1 else f"\n({len(ranks)} ranks)")
+        ticks.append((sum(centres) / len(centres), label))
         x += 0.7
     ax.set_xticks([t for t, _ in ticks], [n for _, n in ticks], fontsize=8)
     ax.set(ylabel="MiB per rank", title=title or "What each rank held: measured (bars) and predicted (lines)")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.18)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper center", ncol=5)
     fig.tight_layout()
     return fig
 
@@ -223,7 +225,7 @@ def timeline(records: Sequence[dict[str, Any]], iteration: int | None = None) ->
     Returns:
         ``[{"rank", "kind", "chunk", "microbatch", "start", "end"}]`` sorted by rank and start.
     """
-    it = iteration or max(e["iteration"] for r in records for e in r["events"])
+    it = iteration if iteration is not None else max(e["iteration"] for r in records for e in r["events"])
     events = [(r["pipeline_rank"], e) for r in records for e in r["events"] if e["iteration"] == it]
     t0 = min(e["start"] for _, e in events)
     return sorted(({"rank": rank, "kind": e["kind"], "chunk": e["chunk"], "microbatch": e["microbatch"],
@@ -251,6 +253,25 @@ def measured_bubble(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {"bubble": statistics.median(ratios), "iterations": len(its[1:] or its)}
 
 
+def chunk_times(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The median forward and backward time of each pipeline rank's model chunk, after the first iteration.
+
+    Returns:
+        Rows ``{"stage", "chunk", "forward_ms", "backward_ms"}`` (milliseconds), for a markdown table.
+    """
+    import statistics
+
+    rows = []
+    for r in records:
+        events = [e for e in r["events"] if e["iteration"] > 1] or r["events"]
+        for chunk in sorted({e["chunk"] for e in events}):
+            ms = {kind: statistics.median(1e3 * (e["end"] - e["start"]) for e in events
+                                          if e["chunk"] == chunk and e["kind"] == kind) for kind in ("forward", "backward")}
+            rows.append({"stage": r["pipeline_rank"], "chunk": chunk, "forward_ms": round(ms["forward"], 2),
+                         "backward_ms": round(ms["backward"], 2)})
+    return rows
+
+
 def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
     """One panel per run: each pipeline rank's forwards (light) and backwards (dark) of one
     iteration as they ran, labelled with the micro-batch (and model chunk ``c``)."""
@@ -273,5 +294,5 @@ def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
     return fig
 
 
-__all__ = ["MOE_TECHNIQUES", "TECHNIQUES", "Technique", "measured_bubble", "megatron_lm_printed", "memory_rows",
+__all__ = ["MOE_TECHNIQUES", "TECHNIQUES", "Technique", "chunk_times", "measured_bubble", "megatron_lm_printed", "memory_rows",
            "plot_memory", "plot_timelines", "run_techniques", "states", "summary_table", "timeline"]

@@ -245,7 +245,9 @@ def activation_peak(record: dict[str, Any], iteration: int | None = None) -> dic
         ``{"bytes": peak bytes, "in_flight": micro-batch chunks held at the peak,
         "per_microbatch": the largest bytes one micro-batch chunk saved}``.
     """
-    events = [e for e in record["events"] if e["iteration"] == (iteration or max(e["iteration"] for e in record["events"]))]
+    if iteration is None:
+        iteration = max(e["iteration"] for e in record["events"])
+    events = [e for e in record["events"] if e["iteration"] == iteration]
     held, peak, in_flight, at_peak = {}, 0, 0, 0
     for e in sorted(events, key=lambda e: (e["start"], e["kind"] == "forward")):
         key = (e["chunk"], e["microbatch"])
