@@ -113,7 +113,7 @@ def test_a_partial_run_names_the_notebooks_that_did_not_run_and_the_missing_file
     assert "finished never (the runner stopped before the end)" in text
     assert "No data/data_manifest.json: 01_data_preprocessing did not run in this folder." in text
     assert "No training_summary.json: 03_training did not run in this folder." in text
-    assert "Nothing recorded: 03_training, 05_parallelism, 06_conversion did not run." in text
+    assert "Nothing recorded: 03_training, 05_parallelism, 05b_memory_toolbox, 06_conversion did not run." in text
     assert "| total | 41.27 | 100% |" in text and "## Figures" not in text
 
 

@@ -226,6 +226,7 @@ def _training(folder: Path, t: dict[str, Any], s03: dict[str, Any]) -> list[str]
 
 #: What the Evaluation section shows: {notebook: recorded names}; a notebook named *evaluation* shows all it records.
 EVALUATION = {"05_parallelism": ("all_layouts_match",),
+              "05b_memory_toolbox": ("all_savers_match", "moe_ep2_max_abs_loss_diff", "tp2_pp2_to_hf_max_abs_logit_diff"),
               "06_conversion": ("max_abs_logit_diff", "training_validation_loss", "hf_validation_loss",
                                 "greedy_tokens_equal", "tp2_bit_identical", "round_trip_bit_identical")}
 #: Recorded text samples: {notebook: name}.
