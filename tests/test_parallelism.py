@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from dataclasses import replace
@@ -448,3 +449,19 @@ def test_local_layers_keep_what_torchs_unfused_operations_save():
     assert gpt2 == 2 * 8 * s * b + s * s  # LayerNorm's mean and rstd; the mask (no RoPE, MHA, GELU)
     full = act(llama, 2, bytes_per_value=4, recompute="full", fused=False)
     assert full == e * s * b * h  # only the layer's input, whatever the kernels
+
+
+def test_the_calculator_refuses_what_megatron_core_cannot_run():
+    """Breaker (issue 29): impossible interleaving, expert parallelism and stages are named, not computed."""
+    from helpers.learn.memory import memory_per_gpu
+
+    llama = replace(HAND, num_layers=4, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+                    position_embedding_type="rope", num_experts=4)
+    for kwargs, named in (({"num_virtual_stages": 3}, "num_virtual_stages=3"), ({"num_virtual_stages": 1}, "num_virtual_stages=1"),
+                          ({"expert_model_parallel_size": 0}, "expert_model_parallel_size=0"),
+                          ({"expert_model_parallel_size": 4}, "divide the data-parallel size 2"), ({"stage": -1}, "stage=-1")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            memory_per_gpu(llama, Layout(1, 2, 2), **kwargs)
+    with pytest.raises(ValueError, match="num_virtual_stages=2"):
+        memory_per_gpu(llama, Layout(1, 1, 2), num_virtual_stages=2)  # no pipeline to interleave
+    assert memory_per_gpu(llama, Layout(1, 2, 2), num_microbatches=4, num_virtual_stages=2).microbatches_in_flight == 2.5

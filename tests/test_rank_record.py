@@ -5,6 +5,8 @@ Megatron-LM's loop is tested in tests/test_training.py (recomputation) and the s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -63,3 +65,28 @@ def test_megatron_lms_printed_estimate_is_read_back_in_bytes():
 def test_reading_a_run_without_records_names_the_variable(tmp_path):
     with pytest.raises(FileNotFoundError, match="SERIES_RANK_RECORD"):
         rank_record.read(tmp_path)
+
+
+def test_a_record_without_events_or_iteration_is_named():
+    with pytest.raises(ValueError, match="rank 3 recorded no forward or backward"):
+        rank_record.activation_peak({"rank": 3, "events": []})
+    event = {"kind": "forward", "iteration": 2, "chunk": 0, "microbatch": 0, "start": 0.0, "end": 1.0, "saved_bytes": 8}
+    with pytest.raises(ValueError, match=r"rank 0 recorded no iteration 5: it recorded \[2\]"):
+        rank_record.activation_peak({"rank": 0, "events": [event]}, iteration=5)
+    with pytest.raises(ValueError, match="was the run recorded"):
+        memory_toolbox.measured_bubble([{"rank": 0, "events": []}])
+
+
+def test_every_technique_is_checked_before_any_launch(tmp_path):
+    """Breaker (issue 29): a model of 2 layers cannot interleave 2 chunks on 2 pipeline ranks; the refusal names the
+    technique and comes before the first launch, not after the runs before it have trained."""
+    from helpers.learn import training_config
+
+    base = training_config.profile("cpu", str(tmp_path), model={"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                                                "seq_length": 64, "max_position_embeddings": 64},
+                                   micro_batch_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"technique 'PP=2 interleaved v=2' \(TP=1 PP=2 DP=1, "
+                                         r"num_virtual_stages_per_pipeline_rank=2\) cannot run .* nothing was launched"):
+        memory_toolbox.run_techniques(base)
+    assert not any(tmp_path.iterdir())
+    memory_toolbox.check_techniques(replace(base, model=replace(base.model, num_layers=4)))

@@ -36,8 +36,10 @@ from helpers.runner import preflight
 from helpers.runner.launch import _ITERATION
 from helpers.learn.model import Layout, ModelConfig, check_layout
 
-#: The notebook these runs serve: its TensorBoard runs are named ``05_parallelism_<run>``.
-_NOTEBOOK = "05_parallelism"
+#: The notebook each output folder of :func:`comparison_config` serves: its TensorBoard runs are named
+#: ``<notebook>_<run>`` (``05_parallelism_tp2_pp1_dp1``).
+_NOTEBOOKS = {"parallelism": "05_parallelism", "memory_toolbox": "05b_memory_toolbox",
+              "memory_toolbox_moe": "05b_memory_toolbox"}
 
 #: Largest per-iteration |loss difference| (nats) accepted as "the same run" in fp32. Reduction
 #: order differs between layouts (a sum split over 2 ranks, then all-reduced), so fp32
@@ -242,17 +244,20 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     cfg = replace(base, tensor_model_parallel_size=layout.tensor_model_parallel_size,
                   pipeline_model_parallel_size=layout.pipeline_model_parallel_size, checkpoint_dir=str(ckpt),
                   metrics_path=str(folder / "metrics.jsonl"),
-                  tensorboard_dir=str(base.run_path.parent / "tensorboard" / f"{_NOTEBOOK}_{name}"))
+                  tensorboard_dir=str(base.run_path.parent / "tensorboard" /
+                                      f"{_NOTEBOOKS.get(base.run_path.name, base.run_path.name)}_{name}"))
     if initial == "shared":
         cfg = replace(cfg, pretrained_checkpoint=str(initial_checkpoint(base, timeout_s=timeout_s, progress=progress)))
     cfg.check(layout.world_size)
     config_path, result_path = folder / "run.json", folder / "layout_run.json"
     # what the run trains must match; paths and logging need not (a copied or moved run folder keeps its runs)
-    if config_path.exists() and preflight.training_differences(cfg, json.loads(config_path.read_text()),
-                                                     also_ignore=frozenset({"pretrained_checkpoint"})):
+    diffs = preflight.training_differences(cfg, json.loads(config_path.read_text()),
+                                           also_ignore=frozenset({"pretrained_checkpoint"})) if config_path.exists() else []
+    if diffs:
         raise ValueError(
-            f"{folder} holds a run of another config ({config_path}). Nothing was launched or changed: use another "
-            f"run_dir, or delete {folder}" + (f" and {ckpt}" if checkpoint_dir else "") + " to rerun."
+            f"{folder} holds a run of another config ({'; '.join(diffs)}). Nothing was launched or changed: use another "
+            f"run_dir, or delete {folder}" + (f" and {ckpt}" if checkpoint_dir else "") + f" to rerun (after changing a "
+            f"notebook parameter, delete {base.run_path}: every run of the notebook there was made with the old value)."
         )
     latest = checkpointing.latest_iteration(ckpt)
     if latest is not None and not config_path.exists():

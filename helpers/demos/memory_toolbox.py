@@ -29,34 +29,42 @@ from helpers.learn.model import Layout
 @dataclass(frozen=True)
 class Technique:
     """One memory saver as a run: ``changes`` to the training config (``TrainingConfig`` fields,
-    i.e. Megatron-LM flags) and the layout it runs on; ``saves`` and ``costs``: what it is for."""
+    i.e. Megatron-LM flags) and the layout it runs on; ``saves`` and ``costs``: what it is for;
+    ``compute``: the arithmetic per step against the baseline's, which the time per step follows on
+    GPUs (communication aside)."""
 
     name: str
     layout: Layout
     changes: dict[str, Any] = field(default_factory=dict)
     saves: str = ""
     costs: str = ""
+    compute: str = "1"
 
 
 #: The savers, each beside the run it is compared with (the first: one process, nothing saved).
 TECHNIQUES: tuple[Technique, ...] = (
     Technique("baseline", Layout(1, 1, 1), {}, "nothing: one process holds everything", "-"),
     Technique("recompute selective", Layout(1, 1, 1), {"recompute": "selective"},
-              "attention's s^2 tensors (softmax output)", "attention's core computed twice"),
+              "attention's s^2 tensors (softmax output)", "attention's core computed twice",
+              "a little above 1 (attention's core again)"),
     Technique("recompute full", Layout(1, 1, 1), {"recompute": "full"},
-              "all but each layer's input", "every layer's forward computed twice"),
+              "all but each layer's input", "every layer's forward computed twice",
+              "about 4/3 (one more forward per layer)"),
     Technique("DP=2", Layout(1, 1, 2), {}, "nothing per rank: half the batch each, all states replicated",
-              "a gradient all-reduce per step"),
+              "a gradient all-reduce per step", "1/2 per rank"),
     Technique("DP=2 distributed optimizer", Layout(1, 1, 2), {"use_distributed_optimizer": True},
-              "the optimizer state: 1/DP of it per rank (ZeRO-1)", "reduce-scatter + all-gather instead of all-reduce"),
+              "the optimizer state: 1/DP of it per rank (ZeRO-1)", "reduce-scatter + all-gather instead of all-reduce",
+              "1/2 per rank"),
     Technique("TP=2", Layout(2, 1, 1), {}, "weights, gradients, optimizer state and most activations / TP",
-              "4 all-reduces per layer and micro-batch"),
+              "4 all-reduces per layer and micro-batch", "1/2 per rank"),
     Technique("TP=2 sequence parallel", Layout(2, 1, 1), {"sequence_parallel": True},
-              "the norms' and residuals' activations / TP too", "all-gather + reduce-scatter instead of all-reduce"),
+              "the norms' and residuals' activations / TP too", "all-gather + reduce-scatter instead of all-reduce",
+              "1/2 per rank (the norms too)"),
     Technique("PP=2 1F1B", Layout(1, 2, 1), {}, "weights, gradients, optimizer state / PP (not activations)",
-              "the bubble, (p - 1)/m"),
+              "the bubble, (p - 1)/m", "1/2 per rank, plus the bubble"),
     Technique("PP=2 interleaved v=2", Layout(1, 2, 1), {"num_virtual_stages_per_pipeline_rank": 2},
-              "the bubble: (p - 1)/(v m)", "more micro-batches in flight, v x the sends"),
+              "the bubble: (p - 1)/(v m)", "more micro-batches in flight, v x the sends",
+              "1/2 per rank, plus a bubble v times smaller"),
 )
 
 
@@ -64,12 +72,34 @@ TECHNIQUES: tuple[Technique, ...] = (
 MOE_TECHNIQUES: tuple[Technique, ...] = (
     Technique("MoE, one process", Layout(1, 1, 1), {}, "nothing: every expert on one rank", "-"),
     Technique("MoE EP=2", Layout(1, 1, 2), {"expert_model_parallel_size": 2},
-              "the experts: 1/EP of them per rank", "each token sent to its experts' ranks and back"),
+              "the experts: 1/EP of them per rank", "each token sent to its experts' ranks and back", "1/2 per rank"),
 )
 
 
 def _folder_name(name: str) -> str:
     return "toolbox_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def check_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES) -> None:
+    """Every check :func:`run_techniques` would meet, for all techniques, before any process starts.
+
+    Raises:
+        ValueError: the first technique the model or batch cannot run, named with its layout and changes,
+            and the reason (the config's and the layout's own checks).
+    """
+    from helpers.learn.model import check_layout
+
+    for t in techniques:
+        cfg = replace(base, tensor_model_parallel_size=t.layout.tensor_model_parallel_size,
+                      pipeline_model_parallel_size=t.layout.pipeline_model_parallel_size, **t.changes)
+        try:
+            check_layout(cfg.model, t.layout, world_size=t.layout.world_size, micro_batch_size=cfg.micro_batch_size,
+                         global_batch_size=cfg.global_batch_size)
+            cfg.check(t.layout.world_size, files=False)
+        except ValueError as err:
+            raise ValueError(f"technique {t.name!r} ({t.layout.label}{', ' if t.changes else ''}"
+                             f"{', '.join(f'{k}={v}' for k, v in t.changes.items())}) cannot run with this model and "
+                             f"batch, so nothing was launched: {err}") from None
 
 
 def run_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES, *, timeout_s: float = 600.0,
@@ -84,9 +114,10 @@ def run_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES, *, t
         ``{technique name: LayoutRun}`` (``records_dir`` holds each rank's ``rank_<r>.json``).
 
     Raises:
-        ValueError: a technique the model or batch cannot run, named by the config's own check
-            (before any process starts); see :func:`helpers.demos.layout_runs.run_layout` for the rest.
+        ValueError: a technique the model or batch cannot run (:func:`check_techniques`, before any
+            process starts); see :func:`helpers.demos.layout_runs.run_layout` for the rest.
     """
+    check_techniques(base, techniques)
     runs = {}
     for t in techniques:
         runs[t.name] = run_layout(replace(base, **t.changes), t.layout, name=_folder_name(t.name), record=True,
@@ -162,8 +193,10 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The most loaded rank of each technique, in MiB, with each predictor's relative error.
 
     Returns:
-        Rows ``{"technique", "rank", "states MiB", "series", "Megatron-LM", "activations MiB", "series ", "Megatron-LM ",
-        "micro-batches in flight"}``; the predictor columns hold ``predicted/measured - 1`` (a fraction).
+        Rows ``{"technique", "rank", "states MiB", "series error", "Megatron-LM error (rank 0)", "activations MiB",
+        "series error ", "Megatron-LM error (rank 0) ", "in flight"}``; the error columns hold ``predicted/measured - 1``
+        (a fraction). Megatron-LM's estimate describes the first pipeline stage, so it is set against rank 0,
+        whichever rank the row's MiB describe.
     """
     mib = 2 ** 20
     out = []
@@ -174,10 +207,10 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"technique": name, "rank": top["rank"],
                     "states MiB": round(states(top) / mib, 2),
                     "series error": states(top, "predicted_") / states(top) - 1,
-                    "Megatron-LM error": first.get("megatron_lm_states", float("nan")) / states(first) - 1,
+                    "Megatron-LM error (rank 0)": first.get("megatron_lm_states", float("nan")) / states(first) - 1,
                     "activations MiB": round(top["activations"] / mib, 2),
                     "series error ": top["predicted_activations"] / top["activations"] - 1,
-                    "Megatron-LM error ": first.get("megatron_lm_activations", float("nan")) / first["activations"] - 1,
+                    "Megatron-LM error (rank 0) ": first.get("megatron_lm_activations", float("nan")) / first["activations"] - 1,
                     "in flight": f"{top['in_flight']} (predicted {top['predicted_in_flight']:g})"})
     return out
 
@@ -200,6 +233,8 @@ def plot_memory(rows: Sequence[dict[str, Any]], title: str = ""):
             for part, colour in zip(parts, colours):
                 ax.bar(x, r[part] / 2 ** 20, 0.8, bottom=bottom, color=colour, label=part.replace("_", " ") if x == 0 else None)
                 bottom += r[part] / 2 ** 20
+            if len(ranks) > 1:
+                ax.text(x, 0, f"r{r['rank']}", ha="center", va="bottom", fontsize=7, color="white")
             predicted = sum(r["predicted_" + p] for p in parts) / 2 ** 20
             ax.plot([x - 0.4, x + 0.4], [predicted] * 2, "k-", lw=2, label="series' prediction (total)" if x == 0 else None)
             centres.append(x)
@@ -244,9 +279,13 @@ def measured_bubble(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     import statistics
 
     ratios, its = [], sorted({e["iteration"] for r in records for e in r["events"]})
+    if not its:
+        raise ValueError("the records hold no forward or backward: was the run recorded (record=True) and did it train?")
     for it in its[1:] or its:
         for r in records:
             ev = [e for e in r["events"] if e["iteration"] == it]
+            if not ev:
+                raise ValueError(f"rank {r.get('rank')} recorded nothing in iteration {it}: a rank that did not train")
             busy = sum(e["end"] - e["start"] for e in ev)
             span = max(e["end"] for e in ev) - min(e["start"] for e in ev)
             ratios.append((span - busy) / busy)
@@ -257,7 +296,7 @@ def chunk_times(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The median forward and backward time of each pipeline rank's model chunk, after the first iteration.
 
     Returns:
-        Rows ``{"stage", "chunk", "forward_ms", "backward_ms"}`` (milliseconds), for a markdown table.
+        Rows ``{"pipeline rank", "chunk", "forward_ms", "backward_ms"}`` (milliseconds), for a markdown table.
     """
     import statistics
 
@@ -267,7 +306,7 @@ def chunk_times(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for chunk in sorted({e["chunk"] for e in events}):
             ms = {kind: statistics.median(1e3 * (e["end"] - e["start"]) for e in events
                                           if e["chunk"] == chunk and e["kind"] == kind) for kind in ("forward", "backward")}
-            rows.append({"stage": r["pipeline_rank"], "chunk": chunk, "forward_ms": round(ms["forward"], 2),
+            rows.append({"pipeline rank": r["pipeline_rank"], "chunk": chunk, "forward_ms": round(ms["forward"], 2),
                          "backward_ms": round(ms["backward"], 2)})
     return rows
 
@@ -277,7 +316,7 @@ def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
     iteration as they ran, labelled with the micro-batch (and model chunk ``c``)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.6 + 1.1 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.0 + 1.2 * len(runs)), squeeze=False)
     for ax, (title, events) in zip(axes[:, 0], runs.items()):
         chunks = max(e["chunk"] for e in events) + 1
         for e in events:
@@ -285,14 +324,19 @@ def plot_timelines(runs: dict[str, Sequence[dict[str, Any]]]):
             colour = shade[e["kind"] == "backward"]
             ax.barh(e["rank"], e["end"] - e["start"], left=e["start"], height=0.7, color=colour, edgecolor="white")
             label = f"{'F' if e['kind'] == 'forward' else 'B'}{e['microbatch'] + 1}" + (f"c{e['chunk']}" if chunks > 1 else "")
-            ax.text((e["start"] + e["end"]) / 2, e["rank"], label, ha="center", va="center", fontsize=7)
+            ax.text((e["start"] + e["end"]) / 2, e["rank"], label, ha="center", va="center", fontsize=8)
         ranks = sorted({e["rank"] for e in events})
-        ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+        ax.set_yticks(ranks, [f"pipeline rank {r}" for r in ranks])
         ax.invert_yaxis()
         ax.set(title=title, xlabel="seconds from the iteration's first forward")
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=c, label=f"{kind}, model chunk {chunk}") for chunk, shades in enumerate((("#9ecae1", "#3182bd"),
+              ("#fdae6b", "#e6550d"))) for kind, c in zip(("forward", "backward"), shades)]
+    fig.legend(handles=legend, loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
-__all__ = ["MOE_TECHNIQUES", "TECHNIQUES", "Technique", "chunk_times", "measured_bubble", "megatron_lm_printed", "memory_rows",
+__all__ = ["MOE_TECHNIQUES", "TECHNIQUES", "Technique", "check_techniques", "chunk_times", "measured_bubble", "megatron_lm_printed", "memory_rows",
            "plot_memory", "plot_timelines", "run_techniques", "states", "summary_table", "timeline"]

@@ -274,7 +274,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
 
     Raises:
         ValueError: a layout :func:`check_layout` refuses, an unknown precision or recompute,
-            a micro-batch count or size below 1.
+            a micro-batch count or size below 1, virtual stages the layout cannot hold, an expert-parallel
+            size that does not divide the data-parallel size (or the experts), a ``stage`` outside the pipeline.
     """
     check_layout(model, layout)
     if precision not in BYTES_PER_PARAMETER:
@@ -282,6 +283,15 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
     if micro_batch_size < 1 or num_microbatches < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} and num_microbatches={num_microbatches} must be >= 1")
     t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    v, ep = num_virtual_stages, expert_model_parallel_size
+    if v is not None and (v < 2 or p < 2 or model.num_layers % (p * v)):
+        raise ValueError(f"num_virtual_stages={v}: the interleaved schedule needs at least 2 chunks on each of at least 2 "
+                         f"pipeline ranks (PP={p}) and num_layers={model.num_layers} a multiple of PP x chunks; None: 1F1B")
+    if ep < 1 or (ep > 1 and d % ep):
+        raise ValueError(f"expert_model_parallel_size={ep}: it must be >= 1 and divide the data-parallel size {d} "
+                         "(expert parallelism is carved out of the data-parallel ranks)")
+    if stage is not None and not 0 <= stage < p:
+        raise ValueError(f"stage={stage}: a pipeline rank in [0, {p})")
     per_param = BYTES_PER_PARAMETER[precision]
     e = ACTIVATION_BYTES[precision]
     layer = activation_bytes_per_layer(model, micro_batch_size, t, recompute=recompute, sequence_parallel=sequence_parallel,

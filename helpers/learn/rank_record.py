@@ -242,12 +242,21 @@ def activation_peak(record: dict[str, Any], iteration: int | None = None) -> dic
     ``iteration`` (default: the last) in time order.
 
     Returns:
-        ``{"bytes": peak bytes, "in_flight": micro-batch chunks held at the peak,
-        "per_microbatch": the largest bytes one micro-batch chunk saved}``.
+        ``{"bytes": peak bytes, "in_flight": micro-batch chunks held at the peak, "max_in_flight": the most
+        held at any time, "per_microbatch": the largest bytes one micro-batch chunk saved}``.
+
+    Raises:
+        ValueError: the record holds no events, or none of ``iteration``.
     """
+    if not record.get("events"):
+        raise ValueError(f"rank {record.get('rank')} recorded no forward or backward: was the run recorded "
+                         f"({ENV}) and did it train?")
     if iteration is None:
         iteration = max(e["iteration"] for e in record["events"])
     events = [e for e in record["events"] if e["iteration"] == iteration]
+    if not events:
+        raise ValueError(f"rank {record.get('rank')} recorded no iteration {iteration}: it recorded "
+                         f"{sorted({e['iteration'] for e in record['events']})}")
     held, peak, in_flight, at_peak = {}, 0, 0, 0
     for e in sorted(events, key=lambda e: (e["start"], e["kind"] == "forward")):
         key = (e["chunk"], e["microbatch"])
