@@ -30,4 +30,4 @@ def test_the_book_of_the_smoke_series(series_run):
     assert "training summary" in training or "validation loss" in training  # outputs are there
     for page in pages:
         body = (index.parent / page).read_text()
-        assert not re.search(r'href="[^"]*\d\d_\w+\.ipynb', body), page  # links go to the pages, not the notebooks
+        assert not re.search(r'href="[^"]*\d\db?_\w+\.ipynb', body), page  # links go to the pages, not the notebooks

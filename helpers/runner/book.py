@@ -22,7 +22,7 @@ from pathlib import Path
 from helpers.runner.series import NOTEBOOK_GLOB
 
 ROOT = Path(__file__).resolve().parents[2]
-_NOTEBOOK_LINK = re.compile(r'href="(\.\./notebooks/|\./|\.\./)?(solutions/)?(\d\d_[\w]+)\.ipynb(#[^"]*)?"')
+_NOTEBOOK_LINK = re.compile(r'href="(\.\./notebooks/|\./|\.\./)?(solutions/)?(\d\db?_[\w]+)\.ipynb(#[^"]*)?"')
 
 
 def _page_link(m: re.Match) -> str:
