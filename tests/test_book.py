@@ -31,3 +31,29 @@ def test_the_book_of_the_smoke_series(series_run):
     for page in pages:
         body = (index.parent / page).read_text()
         assert not re.search(r'href="[^"]*\d\db?_\w+\.ipynb', body), page  # links go to the pages, not the notebooks
+
+
+def test_pages_have_one_parameters_cell_relative_paths_navigation_and_no_dead_solutions_link(tmp_path):
+    """Issue 30: papermill's injected cell folded into the parameters cell, the machine's absolute paths gone,
+    previous / contents / next links, and a link to a solutions page that make solutions did not write is replaced
+    by the command that writes it."""
+    import nbformat
+
+    run = tmp_path / "runs" / "cpu-test"
+    (run / "executed").mkdir(parents=True)
+    for stem, text in (("00_first", "see [the solutions](solutions/00_first.ipynb)"), ("01_second", "next one")):
+        nb = nbformat.v4.new_notebook()
+        params = nbformat.v4.new_code_cell('run_dir: str = "../runs/latest"  # run folder')
+        params.metadata["tags"] = ["parameters"]
+        injected = nbformat.v4.new_code_cell(f'# Parameters\nrun_dir = "{run}"\n')
+        injected.metadata["tags"] = ["injected-parameters"]
+        shown = nbformat.v4.new_code_cell("print(run_dir)")
+        shown.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{run}/checkpoints\n")]
+        nb.cells = [nbformat.v4.new_markdown_cell(f"# {stem}\n\n{text}"), params, injected, shown]
+        nbformat.write(nb, run / "executed" / f"{stem}.ipynb")
+    book.build(run)
+    first, second = ((run / "book" / f"{s}.html").read_text() for s in ("00_first", "01_second"))
+    assert str(run) not in first and "runs/cpu-test/checkpoints" in first
+    assert "injected-parameters" not in first and first.count("this run&#39;s values") + first.count("this run's values") == 1
+    assert 'href="01_second.html"' in first and 'href="00_first.html"' in second and 'href="index.html">contents' in second
+    assert 'href="solutions/' not in first and "make solutions</code> for this page" in first

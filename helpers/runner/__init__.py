@@ -14,5 +14,6 @@ A learner reads it only to see how the series is run; nothing in ``helpers.learn
   the folders, the checkpoint to resume, a finished run's settings) and its epochs, memory, disk and time;
   ``metrics`` (03 §7, 07 §2, §4): what Megatron-LM's loop logged, read back.
 * ``readiness`` (``make check``, 00): is this machine ready; ``report`` (the report card of a
-  run); ``book`` (``make book``: the executed notebooks as a static site).
+  run); ``book`` (``make book``: the executed notebooks as a static site); ``widget_text`` (a notebook's
+  progress bars kept as the text of their final state, for JupyterLab and the book).
 """

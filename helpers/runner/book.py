@@ -3,8 +3,10 @@
 ``python -m helpers.runner.book [RUN_DIR]`` (default ``runs/latest``) writes ``RUN_DIR/book/``: one page per
 executed notebook (nbconvert's ``HTMLExporter`` with JupyterLab's template: outputs and figures
 included, images inlined, so the folder is self-contained), one per executed solutions notebook
-under ``solutions/`` when ``make solutions`` ran, links between notebooks pointing at the pages,
-and ``index.html`` listing them in order with the run's report card (``report.md``).
+under ``solutions/`` when ``make solutions`` ran (else the links to them say to run it), links between
+notebooks pointing at the pages, previous / contents / next links on every page, one parameters cell
+per page (papermill's injected values folded in as a comment), paths relative to the repository, and
+``index.html`` listing them in order with the run's report card (``report.md``).
 Open ``book/index.html`` in a browser, or serve the folder (``python -m http.server -d RUN_DIR/book``).
 
 Source: nbconvert's documentation, "Using as a library" (``HTMLExporter``, ``template_name``);
@@ -19,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from helpers.runner import widget_text
 from helpers.runner.series import NOTEBOOK_GLOB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +32,40 @@ def _page_link(m: re.Match) -> str:
     """A link to a notebook, pointed at its page (``solutions/NN_x.ipynb`` -> ``solutions/NN_x.html``)."""
     prefix = "" if m[1] == "../notebooks/" else (m[1] or "")
     return f'href="{prefix}{m[2] or ""}{m[3]}.html{m[4] or ""}"'
+
+
+#: A link to a solutions page (after :func:`_page_link`): its href, the page's file name, the link's text.
+_SOLUTIONS_LINK = re.compile(r'<a href="((?:\.\./)?solutions/([\w]+\.html)[^"]*)"[^>]*>(.*?)</a>')
+
+
+def _one_parameters_cell(notebook):
+    """The notebook with papermill's ``injected-parameters`` cell folded into the ``parameters`` cell as a
+    comment (the defaults with their explanations, then this run's values): one parameters cell per page."""
+    injected = [c for c in notebook.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    defaults = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    if injected and defaults:
+        values = [line for line in injected[0].source.splitlines() if line.strip() and not line.startswith("#")]
+        defaults[0].source += "\n\n# this run's values (the series runner passed them to papermill):\n" + \
+            "\n".join(f"#   {line}" for line in values)
+        notebook.cells = [c for c in notebook.cells if c is not injected[0]]
+    return notebook
+
+
+def _relative_paths(body: str, run: Path) -> str:
+    """The run folder and the repository named relative to the repository (``runs/<run>``, ``.``), not as this
+    machine's absolute paths."""
+    return body.replace(str(run), f"runs/{run.name}").replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
+
+
+def _with_navigation(body: str, order: list[str], stem: str, up: str = "") -> str:
+    """The page with previous / contents / next links at its top and bottom (``order``: the stems in reading order)."""
+    i = order.index(stem)
+    links = ([f'<a href="{order[i - 1]}.html">&larr; {html.escape(order[i - 1])}</a>'] if i else []) + \
+        [f'<a href="{up}index.html">contents</a>'] + \
+        ([f'<a href="{order[i + 1]}.html">{html.escape(order[i + 1])} &rarr;</a>'] if i + 1 < len(order) else [])
+    nav = f'<nav class="series-nav" style="margin:1em 2em;font-family:sans-serif">{" | ".join(links)}</nav>'
+    body = re.sub(r"(<body[^>]*>)", lambda m: m[1] + nav, body, count=1)
+    return body.replace("</body>", nav + "</body>", 1)
 
 
 def _title(notebook) -> str:
@@ -63,10 +100,17 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
     solutions = sorted((run / "executed" / "solutions").glob(NOTEBOOK_GLOB))  # make solutions
     if solutions:
         (out / "solutions").mkdir(exist_ok=True)
+    solution_pages = {f"{p.stem}.html" for p in solutions}
     for path, sub in [(p, "") for p in pages] + [(p, "solutions/") for p in solutions]:
-        notebook = nbformat.read(path, as_version=4)
+        notebook = _one_parameters_cell(nbformat.read(path, as_version=4))
+        widget_text.progress_as_text(notebook)  # a run executed before the runner did it itself
         body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": _title(notebook) or path.stem}})
         body = _NOTEBOOK_LINK.sub(_page_link, body)  # the pages link to each other
+        body = _SOLUTIONS_LINK.sub(lambda m: m[0] if m[2] in solution_pages else
+                                   f"{m[3]} (run <code>make solutions</code> for this page)", body)
+        body = _relative_paths(body, run)
+        order = pages if not sub else solutions
+        body = _with_navigation(body, [p.stem for p in order], path.stem, up="../" if sub else "")
         (out / sub / f"{path.stem}.html").write_text(body, encoding="utf-8")
         entries[sub].append(f'<li><a href="{sub}{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
     listed = f"<ol>{''.join(entries[''])}</ol>" + (f"<h2>The exercises' solutions</h2><ol>{''.join(entries['solutions/'])}</ol>"

@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from helpers.runner import data_stage, report
+from helpers.runner import data_stage, report, widget_text
 from helpers.support import results, run_guard
 from helpers.runner.parameters import (PROFILES, RUNNER_PARAMETERS, ParameterError, notebook_parameters,  # noqa: F401
                                 parse_override, resolve_parameters)  # (re-exported: the runner's API)
@@ -318,6 +318,7 @@ def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int 
             )
         except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
             raise NotebookError(_failure_text(path.stem, err, output, last_good)) from None
+    widget_text.rewrite(output)  # progress bars saved at their end, not frozen at 0 %
     return time.perf_counter() - start
 
 
