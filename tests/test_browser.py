@@ -136,3 +136,42 @@ def _open_the_book(page, executed: Path) -> str:
     page.wait_for_selector(".jp-Notebook")
     page.screenshot(path=str(SHOTS / f"{NOTEBOOK}-book.png"))
     return page.inner_text("body")
+
+
+def test_the_book_renders_math_with_the_network_closed(tmp_path):
+    """Issue 30: ``make book`` works offline. A page with TeX in its markdown, opened by Chromium with every
+    request that would leave the machine aborted (and recorded): MathJax loads from the book's own ``_static``,
+    the math is typeset (MathJax's elements, no raw ``$...$`` left), and no request was made to the network."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from helpers.runner import book
+
+    run = tmp_path / "runs" / "offline"
+    (run / "executed").mkdir(parents=True)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 04 · Math\n\nAttention scores $QK^\\top/\\sqrt{d}$, and\n\n"
+                                              "$$\\mathrm{softmax}(x)_i = e^{x_i} / \\sum_j e^{x_j}$$")]
+    nbformat.write(nb, run / "executed" / "04_math.ipynb")
+    index = book.build(run)
+    left: list[str] = []
+
+    def stay_on_disk(route):
+        if route.request.url.startswith("file://"):
+            route.continue_()
+        else:
+            left.append(route.request.url)
+            route.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.route("**/*", stay_on_disk)
+            page.goto((index.parent / "04_math.html").as_uri())
+            page.wait_for_function("() => document.querySelectorAll('.MathJax, .MathJax_Display').length >= 2", timeout=60_000)
+            text = page.inner_text("body")
+        finally:
+            browser.close()
+    assert not left, f"requests that left the machine: {left}"
+    assert "$QK" not in text and "\\sqrt" not in text

@@ -5,8 +5,9 @@ executed notebook (nbconvert's ``HTMLExporter`` with JupyterLab's template: outp
 included, images inlined, so the folder is self-contained), one per executed solutions notebook
 under ``solutions/`` when ``make solutions`` ran (else the links to them say to run it), links between
 notebooks pointing at the pages, previous / contents / next links on every page, one parameters cell
-per page (papermill's injected values folded in as a comment), paths relative to the repository, and
-``index.html`` listing them in order with the run's report card (``report.md``).
+per page (papermill's injected values folded in as a comment), paths relative to the repository, MathJax
+copied beside the pages (the site needs no network), and ``index.html`` listing them in order with the run's
+report card (``report.md``).
 Open ``book/index.html`` in a browser, or serve the folder (``python -m http.server -d RUN_DIR/book``).
 
 Source: nbconvert's documentation, "Using as a library" (``HTMLExporter``, ``template_name``);
@@ -32,6 +33,31 @@ def _page_link(m: re.Match) -> str:
     """A link to a notebook, pointed at its page (``solutions/NN_x.ipynb`` -> ``solutions/NN_x.html``)."""
     prefix = "" if m[1] == "../notebooks/" else (m[1] or "")
     return f'href="{prefix}{m[2] or ""}{m[3]}.html{m[4] or ""}"'
+
+
+#: MathJax 2.7 as the book loads it, from ``_static/`` beside the pages: the copy the ``jupyter-server-mathjax``
+#: package installs (nbconvert's default loads it from a CDN, so the math showed as raw TeX offline).
+MATHJAX = "_static/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
+_MATHJAX_PARTS = ("MathJax.js", "config", "jax", "fonts", "extensions")
+
+
+def _copy_mathjax(out: Path) -> None:
+    """Copy the installed MathJax (its script, configurations, input/output processors, fonts, extensions;
+    about 10 MB) to ``out/_static/mathjax`` once."""
+    import shutil
+
+    import jupyter_server_mathjax
+
+    source = Path(jupyter_server_mathjax.__file__).parent / "static"
+    target = out / "_static" / "mathjax"
+    if (target / "MathJax.js").is_file():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for part in _MATHJAX_PARTS:
+        if (source / part).is_dir():
+            shutil.copytree(source / part, target / part, dirs_exist_ok=True)
+        else:
+            shutil.copy2(source / part, target / part)
 
 
 #: A link to a solutions page (after :func:`_page_link`): its href, the page's file name, the link's text.
@@ -96,6 +122,7 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
     out = Path(out_dir) if out_dir else run / "book"
     out.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter(template_name="lab")
+    _copy_mathjax(out)
     entries: dict[str, list[str]] = {"": [], "solutions/": []}
     solutions = sorted((run / "executed" / "solutions").glob(NOTEBOOK_GLOB))  # make solutions
     if solutions:
@@ -104,7 +131,9 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
     for path, sub in [(p, "") for p in pages] + [(p, "solutions/") for p in solutions]:
         notebook = _one_parameters_cell(nbformat.read(path, as_version=4))
         widget_text.progress_as_text(notebook)  # a run executed before the runner did it itself
+        exporter.mathjax_url = f"{'../' if sub else ''}{MATHJAX}"
         body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": _title(notebook) or path.stem}})
+        body = body.replace(f'<script src="{exporter.require_js_url}"></script>', "")  # for widgets; none are left
         body = _NOTEBOOK_LINK.sub(_page_link, body)  # the pages link to each other
         body = _SOLUTIONS_LINK.sub(lambda m: m[0] if m[2] in solution_pages else
                                    f"{m[3]} (run <code>make solutions</code> for this page)", body)
