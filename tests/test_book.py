@@ -51,7 +51,16 @@ def test_pages_have_one_parameters_cell_relative_paths_navigation_and_no_dead_so
         shown.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{run}/checkpoints\n")]
         nb.cells = [nbformat.v4.new_markdown_cell(f"# {stem}\n\n{text}"), params, injected, shown]
         nbformat.write(nb, run / "executed" / f"{stem}.ipynb")
-    book.build(run)
+    (run / "figures").mkdir()
+    (run / "figures" / "00_first_plot.png").write_bytes(b"\x89PNG")
+    (run / "summary.json").write_text('{"00_first": {"wall_seconds": 12.4, "all_layouts_match": true}}')
+    (run / "report.md").write_text("# Report card: cpu-test\n\n## Evaluation\n\n| notebook | name | value |\n| --- | --- | --- |\n"
+                                   "| 00_first | all_layouts_match | yes |\n\n## Figures\n\n[00_first_plot](figures/00_first_plot.png)\n")
+    index = book.build(run).read_text()
+    assert "12 s in this run" in index and "see [the solutions]" not in index  # the time; the intro's paragraph, rendered
+    assert index.count('<img src="../figures/00_first_plot.png"') == 2  # the notebook's thumbnail and the card's
+    assert index.count("<h1") == 1 and re.search(r"<h2[^>]*>Report card: cpu-test", index) and "<td>all layouts match</td>" in index
+    assert "font-family" in index and "border-collapse" in index
     first, second = ((run / "book" / f"{s}.html").read_text() for s in ("00_first", "01_second"))
     assert str(run) not in first and "runs/cpu-test/checkpoints" in first
     assert "injected-parameters" not in first and first.count("this run&#39;s values") + first.count("this run's values") == 1

@@ -141,18 +141,60 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
         order = pages if not sub else solutions
         body = _with_navigation(body, [p.stem for p in order], path.stem, up="../" if sub else "")
         (out / sub / f"{path.stem}.html").write_text(body, encoding="utf-8")
-        entries[sub].append(f'<li><a href="{sub}{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
-    listed = f"<ol>{''.join(entries[''])}</ol>" + (f"<h2>The exercises' solutions</h2><ol>{''.join(entries['solutions/'])}</ol>"
-                                                  if entries["solutions/"] else "")
+        entries[sub].append(_entry(run, sub, path.stem, notebook) if not sub else
+                            f'<li><a href="{sub}{path.stem}.html">{html.escape(_title(notebook) or path.stem)}</a></li>')
+    listed = f"<ol class=\"series\">{''.join(entries[''])}</ol>" + (
+        f"<h2>The exercises' solutions</h2><ol>{''.join(entries['solutions/'])}</ol>" if entries["solutions/"] else "")
     report = run / "report.md"
     card = markdown2html(report.read_text(encoding="utf-8")) if report.is_file() else "<p>(no report card in this run)</p>"
-    card = re.sub(r'(href|src)="figures/', r'\1="../figures/', card)  # the run's figures/, next to book/
     (out / "index.html").write_text(
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Pre-train a GPT with Megatron</title></head>"
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Pre-train a GPT with Megatron</title>"
+        f"<style>{_INDEX_CSS}</style></head>"
         f"<body><h1>Pre-train a GPT with Megatron, hand it to transformers</h1><p>The executed notebooks of the run "
-        f"<code>{html.escape(run.name)}</code>, outputs and figures included.</p>{listed}"
-        f"<h2>The run's report card</h2>{card}</body></html>\n", encoding="utf-8")
+        f"<code>{html.escape(run.name)}</code>, outputs and figures included, with the time each took in this run.</p>"
+        f"{listed}<h2>The run's report card</h2>{_readable_card(card)}</body></html>\n", encoding="utf-8")
     return out / "index.html"
+
+
+#: The index page's style: a readable sans-serif column, tables with borders, thumbnails in a row.
+_INDEX_CSS = ("body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;max-width:60em;margin:2em auto;"
+              "padding:0 1em;line-height:1.5;color:#222}table{border-collapse:collapse;margin:1em 0}"
+              "th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left}th{background:#f4f4f4}"
+              "ol.series li{margin:0 0 1.2em}ol.series p{margin:.2em 0}.time{color:#666;font-size:.9em}"
+              ".thumbs img{height:90px;margin:.3em .4em 0 0;border:1px solid #ddd}code{background:#f4f4f4;padding:0 .2em}")
+
+
+def _entry(run: Path, sub: str, stem: str, notebook) -> str:
+    """One notebook in the index: its title (linked), the first paragraph of its introduction, the
+    time it took in this run (``summary.json``) and thumbnails of the figures it saved."""
+    import json
+
+    from nbconvert.filters import markdown2html
+
+    intro = next((c.source for c in notebook.cells if c.cell_type == "markdown"), "")
+    parts = [p for p in intro.split("\n\n")[1:] if p.strip()]
+    paragraph = next((p for p in parts if not p.startswith(("#", "**", "-"))), None) or \
+        next((p for p in parts if p.startswith("**What you will learn**")), "")  # else its list of what it teaches
+    summary = run / "summary.json"
+    wall = json.loads(summary.read_text()).get(stem, {}).get("wall_seconds") if summary.is_file() else None
+    figures = sorted((run / "figures").glob(f"{stem}_*.png"))
+    thumbs = "".join(f'<a href="../figures/{f.name}"><img src="../figures/{f.name}" alt="{html.escape(f.stem)}" '
+                     f'title="{html.escape(f.stem)}"></a>' for f in figures)
+    title = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(_title(notebook) or stem))
+    return (f'<li><a href="{sub}{stem}.html"><strong>{title}</strong></a>'
+            + (f' <span class="time">{wall:.0f} s in this run</span>' if wall is not None else "")
+            + (markdown2html(paragraph) if paragraph else "") + (f'<div class="thumbs">{thumbs}</div>' if thumbs else "")
+            + "</li>")
+
+
+def _readable_card(card: str) -> str:
+    """The report card's HTML for the index: headings one level down (the page has its own h1), figures
+    as thumbnails, and the recorded names (``all_savers_match``) with spaces."""
+    card = re.sub(r'(href|src)="figures/', r'\1="../figures/', card)  # the run's figures/, next to book/
+    card = re.sub(r"<(/?)h([1-5])", lambda m: f"<{m[1]}h{int(m[2]) + 1}", card)
+    card = re.sub(r'<a href="(\.\./figures/[^"]+\.png)">([^<]+)</a>',
+                  r'<a href="\1"><img src="\1" alt="\2" title="\2" style="height:90px;margin:.3em"></a>', card)
+    return re.sub(r"<td>([a-z0-9]+(?:_[a-z0-9]+)+)</td>", lambda m: f"<td>{m[1].replace('_', ' ')}</td>", card)
 
 
 def main(argv: list[str] | None = None) -> int:
