@@ -290,3 +290,22 @@ def test_a_dead_kernel_and_a_cell_timeout_end_the_run_naming_the_notebook(tiny_s
     with pytest.raises(series.NotebookError, match=r"notebook 02_sleeps failed: CellTimeoutError"):
         series.run("tiny", run_dir=tiny_series.parent / "runs" / "d2", only=["02"])
     assert time.monotonic() - start < 60
+
+
+def test_the_runner_says_where_a_long_notebook_is_and_the_time_left(tmp_path, monkeypatch, capsys):
+    """Issue 30: while a notebook runs, a line every HEARTBEAT_S: its time, the code cell it is at, and the series'
+    time left from the measured times (MEASURED_SECONDS: every notebook of the series, for the cpu profile)."""
+    assert set(series.MEASURED_SECONDS["cpu"]) == {p.stem for p in series.notebooks()}
+    line = series.progress_line("03_training", 100.0, (23, 51), 131.1, 300.0)
+    assert line == "    03_training: 100 s, code cell 23 of 51; the series: about 331 s left (times measured on a 2-core laptop)"
+    assert series.progress_line("03_training", 200.0, None, 131.1, 300.0).endswith("about 300 s left (times measured on a 2-core laptop)")
+    assert series.progress_line("x", 5.0, None, None, None) == "    x: 5 s"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("a"), nbformat.v4.new_markdown_cell("m"), nbformat.v4.new_code_cell("b")]
+    nb.cells[0].metadata["papermill"] = {"status": "completed"}
+    nbformat.write(nb, tmp_path / "running.ipynb")
+    assert series._cells_done(tmp_path / "running.ipynb") == (2, 2) and series._cells_done(tmp_path / "missing.ipynb") is None
+    monkeypatch.setattr(series, "HEARTBEAT_S", 0.05)
+    with series._heartbeat("03_training", tmp_path / "running.ipynb", 131.1, 0.0):
+        time.sleep(0.3)
+    assert "03_training: 0 s, code cell 2 of 2; the series: about 131 s left" in capsys.readouterr().out
