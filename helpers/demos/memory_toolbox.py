@@ -80,6 +80,12 @@ def _folder_name(name: str) -> str:
     return "toolbox_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+def _config(base: Any, t: Technique) -> Any:
+    """The training config technique ``t`` runs: ``base`` with its changes, on its layout's TP and PP."""
+    return replace(base, tensor_model_parallel_size=t.layout.tensor_model_parallel_size,
+                   pipeline_model_parallel_size=t.layout.pipeline_model_parallel_size, **t.changes)
+
+
 def check_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES) -> None:
     """Every check :func:`run_techniques` would meet, for all techniques, before any process starts.
 
@@ -90,8 +96,7 @@ def check_techniques(base: Any, techniques: Sequence[Technique] = TECHNIQUES) ->
     from helpers.learn.model import check_layout
 
     for t in techniques:
-        cfg = replace(base, tensor_model_parallel_size=t.layout.tensor_model_parallel_size,
-                      pipeline_model_parallel_size=t.layout.pipeline_model_parallel_size, **t.changes)
+        cfg = _config(base, t)
         try:
             check_layout(cfg.model, t.layout, world_size=t.layout.world_size, micro_batch_size=cfg.micro_batch_size,
                          global_batch_size=cfg.global_batch_size)
@@ -159,7 +164,7 @@ def memory_rows(base: Any, runs: dict[str, LayoutRun], techniques: Sequence[Tech
     rows = []
     for name, run in runs.items():
         t = by_name[name]
-        cfg = replace(base, **t.changes)
+        cfg = _config(base, t)
         dp = t.layout.data_parallel_size
         m = cfg.global_batch_size // (cfg.micro_batch_size * dp)
         printed = megatron_lm_printed((Path(run.records_dir).parent / "training.log").read_text(errors="replace"))

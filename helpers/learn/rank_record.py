@@ -128,8 +128,7 @@ class Recorder:
                 return forward_step(forward_step_func, data_iterator, model, *args, **kwargs)
             chunk = kwargs.get("vp_stage") or 0
             held = [k for _, s in self._open.values() for k in s.storages]
-            saved = SavedTensors(also_held=held)
-            saved._exclude |= self._parameters
+            saved = SavedTensors(also_held=[*held, *self._parameters])  # other micro-batches' and the weights' storages
             start = time.monotonic()
             with saved:
                 result = forward_step(forward_step_func, data_iterator, model, *args, **kwargs)
