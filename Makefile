@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions
+.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions pack unpack container-check
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
 # (one left from the 3.11 series is refused, not touched); a missing one is created with the
@@ -76,6 +76,25 @@ solutions: install
 # The executed notebooks of a run (default runs/latest) as a static HTML site: RUN/book/index.html.
 book: install
 	$(PY) -m helpers.runner.book $(RUN)
+
+# A finished run folder (default runs/latest) as one archive for other clones: an instructor packs the run
+# once, slow laptops unpack it and the notebooks skip training (helpers/runner/run_pack.py; no packages needed).
+#   make pack [RUN=runs/<name>] [PACK=/media/usb/run.tar.gz]   -> runs/<name>.tar.gz, prints its size
+#   make unpack PACK=<file.tar.gz> [AS=<folder>]   -> runs/<name>/ (or runs/<folder>/), + runs/latest when there is none
+PACK ?=
+# AS, not NAME: WSL sets NAME to the machine's name in every shell
+AS ?=
+pack: venv-python
+	$(PY) -m helpers.runner.run_pack pack $(RUN) $(if $(PACK),--out $(PACK))
+
+unpack: venv-python
+	@test -n "$(PACK)" || { echo "make unpack PACK=<file.tar.gz>: name the archive made by make pack" >&2; exit 2; }
+	$(PY) -m helpers.runner.run_pack unpack $(PACK) $(if $(AS),--name $(AS))
+
+# The CPU container's install (docker/cpu.Dockerfile runs tools/container-install.sh) resolved for linux/amd64
+# and linux/arm64 without installing anything (pip --dry-run against the index); a network is needed.
+container-check: venv-python
+	$(PY) tools/container_check.py
 
 # Is this machine ready for the series? Under 30 s, before or after install (helpers/runner/readiness.py):
 # Python, disk, memory, cores, packages or a wheelhouse, JupyterLab's port, an estimated series time.

@@ -35,6 +35,23 @@ def folder_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def compatible_platforms(tag: str) -> list[str]:
+    """The platform tags pip must be given for ``tag``: a ``manylinux_2_N_ARCH`` (PEP 600) machine also runs
+    the wheels of every older glibc (``manylinux_2_M``, M < N, and their aliases ``manylinux2014`` = 2.17,
+    ``manylinux2010`` = 2.12, ``manylinux1`` = 2.5), but ``pip download --platform`` (pip 23.2:
+    ``_internal/utils/compatibility_tags.py`` expands only the legacy aliases) takes a tag literally: with
+    ``manylinux_2_28_aarch64`` alone it finds no tokenizers 0.23.3 (a ``manylinux_2_17`` wheel). Other tags
+    are returned as they are."""
+    parts = tag.split("_", 3)
+    if len(parts) != 4 or parts[0] != "manylinux" or not parts[1].isdigit() or not parts[2].isdigit():
+        return [tag]
+    major, minor, arch = int(parts[1]), int(parts[2]), parts[3]
+    tags = [f"manylinux_{major}_{m}_{arch}" for m in range(minor, 4, -1)]
+    tags += [f"{alias}_{arch}" for alias, since in (("manylinux2014", 17), ("manylinux2010", 12), ("manylinux1", 5))
+             if major == 2 and minor >= since]
+    return tags
+
+
 def download(dest: Path, requirements: Path, platforms: list[str], python_version: str, pip: list[str]) -> dict:
     """``pip download`` the requirements and the build backend into ``dest``; returns size and seconds.
 
@@ -44,8 +61,8 @@ def download(dest: Path, requirements: Path, platforms: list[str], python_versio
     """
     dest.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    targets = [[]] + [["--only-binary=:all:", "--platform", p, "--python-version", python_version, "--implementation", "cp"]
-                      for p in platforms]
+    targets = [[]] + [["--only-binary=:all:", *[a for t in compatible_platforms(p) for a in ("--platform", t)],
+                       "--python-version", python_version, "--implementation", "cp"] for p in platforms]
     for extra, platform in zip(targets, ["this machine", *platforms]):
         try:
             subprocess.run([*pip, "download", "--disable-pip-version-check", "-q", "-d", str(dest), *extra,
