@@ -41,7 +41,8 @@ def test_pages_have_one_parameters_cell_relative_paths_navigation_and_no_dead_so
 
     run = tmp_path / "runs" / "cpu-test"
     (run / "executed").mkdir(parents=True)
-    for stem, text in (("00_first", "see [the solutions](solutions/00_first.ipynb)"), ("01_second", "next one")):
+    for stem, text in (("00_first", "see [the solutions](solutions/00_first.ipynb)"),
+                       ("01_second", "next one, as [the README](../README.md) says ([gone](../no_such_file.md))")):
         nb = nbformat.v4.new_notebook()
         params = nbformat.v4.new_code_cell('run_dir: str = "../runs/latest"  # run folder')
         params.metadata["tags"] = ["parameters"]
@@ -66,3 +67,6 @@ def test_pages_have_one_parameters_cell_relative_paths_navigation_and_no_dead_so
     assert "injected-parameters" not in first and first.count("this run&#39;s values") + first.count("this run's values") == 1
     assert 'href="01_second.html"' in first and 'href="00_first.html"' in second and 'href="index.html">contents' in second
     assert 'href="solutions/' not in first and "make solutions</code> for this page" in first
+    readme = re.search(r'href="([^"]*README\.md)"', second)[1]  # a repository file: pointed at from the book's folder
+    assert (run / "book" / readme).resolve() == book.ROOT / "README.md" and 'href="../no_such_file.md"' in second
+    assert 'preferredFont: "STIX-Web"' in second  # the fonts the installed MathJax has: no request for missing ones

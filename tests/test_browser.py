@@ -14,6 +14,7 @@ Chromium (``apt-get install chromium``); without it the test is skipped with tha
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,3 +176,80 @@ def test_the_book_renders_math_with_the_network_closed(tmp_path):
             browser.close()
     assert not left, f"requests that left the machine: {left}"
     assert "$QK" not in text and "\\sqrt" not in text
+
+
+#: Waits until MathJax 2.7 has typeset the page (or the page has no MathJax).
+_MATH_DONE = ("() => !window.MathJax || (window.MathJax.isReady && MathJax.Hub.queue.pending === 0 "
+              "&& MathJax.Hub.queue.running === 0)")
+
+
+def crawl_offline(index: Path) -> dict[str, list]:
+    """Open ``index`` in Chromium with every request that would leave the machine aborted, then every page it
+    links to (transitively, inside the book's run folder), as a reader clicking through would.
+
+    Returns lists: ``pages`` opened, ``left`` (URLs of requests aborted because they would leave the machine),
+    ``failed`` (local requests that failed: a missing file), ``dead`` (``(page, href)`` of links to a local file
+    that does not exist), ``broken_images`` (``(page, src)`` of images that did not decode), ``raw_math``
+    (pages whose text still holds TeX after MathJax finished), ``typeset`` (pages with typeset math),
+    ``external`` (links to the web: not followed, not requests).
+    """
+    from urllib.parse import unquote, urldefrag, urlparse
+
+    from playwright.sync_api import sync_playwright
+
+    root = index.parent.parent.resolve()  # the run folder: the book links to its figures/
+    found: dict[str, list] = {k: [] for k in ("pages", "left", "failed", "dead", "broken_images", "raw_math",
+                                              "typeset", "external")}
+    todo, seen = [index.resolve()], set()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
+                       else (found["left"].append(route.request.url), route.abort()))
+            page.on("requestfailed", lambda r: None if not r.url.startswith("file://") else found["failed"].append(r.url))
+            while todo:
+                path = todo.pop(0)
+                if path in seen:
+                    continue
+                seen.add(path)
+                found["pages"].append(str(path.relative_to(root)))
+                page.goto(path.as_uri())
+                page.wait_for_function(_MATH_DONE, timeout=60_000)
+                if page.evaluate("() => document.querySelectorAll('.MathJax, .MathJax_Display').length") > 0:
+                    found["typeset"].append(path.name)
+                text = page.inner_text("body")
+                if re.search(r"\$[^$\n]*\\(?:frac|sqrt|top|mathrm|sum|cdot)", text):
+                    found["raw_math"].append(path.name)
+                found["broken_images"] += [(path.name, s) for s in page.evaluate(
+                    "() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")]
+                for href in page.evaluate("() => [...document.querySelectorAll('a[href]')].map(a => a.href)"):
+                    url, _ = urldefrag(href)
+                    if not url.startswith("file://"):
+                        found["external"].append(url)
+                        continue
+                    target = Path(unquote(urlparse(url).path))
+                    if not target.exists():
+                        found["dead"].append((path.name, href))
+                    elif target.suffix == ".html" and target.resolve().is_relative_to(root):
+                        todo.append(target.resolve())
+        finally:
+            browser.close()
+    return found
+
+
+@pytest.mark.slow
+def test_the_whole_book_of_the_smoke_series_works_offline(series_run):
+    """Issue 30's acceptance: ``make book`` of the smoke series, read page by page in Chromium with the network
+    closed: every notebook page is reached from the index, no request leaves the machine, every local request,
+    link and image resolves, and the math of notebook 04 is typeset (no raw TeX left anywhere)."""
+    from helpers.runner import book, series
+
+    run_dir, _, _ = series_run
+    found = crawl_offline(book.build(run_dir))
+    pages = {Path(p).name for p in found["pages"]}
+    assert {f"{n.stem}.html" for n in series.notebooks()} <= pages and "index.html" in pages
+    assert not found["left"], f"requests that left the machine: {found['left'][:5]}"
+    assert not found["failed"] and not found["dead"] and not found["broken_images"], \
+        (found["failed"][:5], found["dead"][:5], found["broken_images"][:5])
+    assert "04_fused_kernels.html" in found["typeset"] and not found["raw_math"], found["raw_math"]

@@ -39,6 +39,10 @@ def _page_link(m: re.Match) -> str:
 #: package installs (nbconvert's default loads it from a CDN, so the math showed as raw TeX offline).
 MATHJAX = "_static/mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
 _MATHJAX_PARTS = ("MathJax.js", "config", "jax", "fonts", "extensions")
+#: jupyter-server-mathjax ships only the STIX-Web web fonts: without this MathJax asks for its default TeX fonts
+#: first (a request for a file that is not there on every page with math) before it falls back.
+_MATHJAX_FONTS = ('<script type="text/x-mathjax-config">MathJax.Hub.Config({"HTML-CSS": {availableFonts: ["STIX-Web"], '
+                  'preferredFont: "STIX-Web", webFont: "STIX-Web", imageFont: null}});</script>')
 
 
 def _copy_mathjax(out: Path) -> None:
@@ -75,6 +79,23 @@ def _one_parameters_cell(notebook):
             "\n".join(f"#   {line}" for line in values)
         notebook.cells = [c for c in notebook.cells if c is not injected[0]]
     return notebook
+
+
+_RELATIVE_HREF = re.compile(r'href="(?![a-z]+:|#|/)([^"#?]+)([^"]*)"')
+
+
+def _repository_links(body: str, source_dir: Path, page_dir: Path) -> str:
+    """Links to files of the repository (``../README.md`` in a notebook of ``source_dir``) pointed at them from the
+    page's folder ``page_dir``; links to pages, and to what is not in the repository, are left as they are."""
+    import os
+
+    def point(m: re.Match) -> str:
+        target = (source_dir / m[1]).resolve()
+        if target.suffix in (".html", ".ipynb") or not target.is_relative_to(ROOT) or not target.exists():
+            return m[0]
+        return f'href="{os.path.relpath(target, page_dir)}{m[2]}"'
+
+    return _RELATIVE_HREF.sub(point, body)
 
 
 def _relative_paths(body: str, run: Path) -> str:
@@ -134,10 +155,12 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
         exporter.mathjax_url = f"{'../' if sub else ''}{MATHJAX}"
         body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": _title(notebook) or path.stem}})
         body = body.replace(f'<script src="{exporter.require_js_url}"></script>', "")  # for widgets; none are left
+        body = body.replace("<!-- MathJax configuration -->", _MATHJAX_FONTS + "\n<!-- MathJax configuration -->", 1)
         body = _NOTEBOOK_LINK.sub(_page_link, body)  # the pages link to each other
         body = _SOLUTIONS_LINK.sub(lambda m: m[0] if m[2] in solution_pages else
                                    f"{m[3]} (run <code>make solutions</code> for this page)", body)
         body = _relative_paths(body, run)
+        body = _repository_links(body, ROOT / "notebooks" / sub, (out / sub).resolve())  # links to the repository's files
         order = pages if not sub else solutions
         body = _with_navigation(body, [p.stem for p in order], path.stem, up="../" if sub else "")
         (out / sub / f"{path.stem}.html").write_text(body, encoding="utf-8")
