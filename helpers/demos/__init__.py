@@ -7,7 +7,8 @@ them. Each module's docstring names the notebook and section it serves:
 * 01-02: ``preprocessing`` (the steps of the data stage timed), ``dataset_indices`` (01 §5, 02 §3-8: megatron-core's
   document, sample and shuffle indices drawn).
 * 03-04: ``core_loop`` (notebook 03's loop, call by call, for 04's timers, the tests and
-  ``bench.training``), ``generation`` (03 §9, 06 §9: greedy samples), ``timing``, ``roofline``, ``fused_ops``,
+  ``bench.training``), ``training_curves`` (03 §7-8: loss, learning rate and throughput as logged, a
+  kill and resume), ``generation`` (03 §9, 06 §9: greedy samples), ``timing``, ``roofline``, ``fused_ops``,
   ``model_fusions``, ``adamw`` (04's measurements of fused kernels and fused AdamW).
 * 05: ``rank_groups``, ``launch_plans``, ``layout_runs``, ``shards``, ``memory``, ``pipeline_schedule``
   (tensor, pipeline and data parallelism: the groups, the runs, the shards, the memory, the schedule).

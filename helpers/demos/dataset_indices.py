@@ -1,8 +1,8 @@
 """Notebook 02's look inside megatron-core's ``GPTDataset``: its index numbers, the documents
 each sample reads, the loop the indices replace, and the figures.
 
-Serves notebook 02 sections 3-8 and 01 section 5 (document lengths, the three indices, cache reuse, the naive
-epoch loop). The dataset itself is built by :mod:`helpers.learn.dataloader`; nothing on the
+Serves notebook 02 sections 3-8 and 01 section 5 (document lengths, how the documents are packed into
+samples, the three indices, cache reuse, the naive epoch loop). The dataset itself is built by :mod:`helpers.learn.dataloader`; nothing on the
 learner's path imports this module.
 
 Sources: megatron-core ``datasets/gpt_dataset.py`` (``_get_num_tokens_per_epoch``,
@@ -80,6 +80,32 @@ def sample_spans(dataset, sample_ids: Sequence[int]) -> list[list[tuple[int, int
             parts.append((doc, offset, stop - offset))
         out.append(parts)
     return out
+
+
+def packing_counts(dataset) -> dict[str, np.ndarray]:
+    """How ``GPTDataset`` packs documents into samples, counted from its sample and document indices.
+
+    Sample ``j`` reads the document-index entries ``sample_index[j][0]`` to ``sample_index[j + 1][0]``
+    (both included; the last one at least for its extra label token), exactly as
+    ``GPTDataset._query_document_sample_shuffle_indices`` reads them, so a sample reads
+    ``end - beg + 1`` documents; :func:`sample_spans` lists the same parts one by one.
+
+    Returns:
+        ``{"documents_per_sample"}``: ``[num_samples]`` int64, the documents sample ``j`` reads
+        (sample-index order); ``{"samples_per_entry", "entry_lengths"}``: ``[entries]`` int64, for
+        every document-index entry the samples read from it, from the first entry up to the last one a
+        sample reads (a document of several epochs counts once per epoch), and that document's length
+        in tokens (its EOD included).
+    """
+    si = np.asarray(dataset.sample_index, dtype=np.int64)
+    beg, end = si[:-1, 0], si[1:, 0]
+    entries = int(end.max()) + 1 if len(end) else 0
+    change = np.zeros(entries + 1, dtype=np.int64)
+    np.add.at(change, beg, 1)  # a sample starts reading at entry beg ...
+    np.add.at(change, end + 1, -1)  # ... and stops after entry end
+    docs = np.asarray(dataset.document_index)[:entries]
+    return {"documents_per_sample": end - beg + 1, "samples_per_entry": np.cumsum(change)[:entries],
+            "entry_lengths": np.asarray(dataset.dataset.sequence_lengths, dtype=np.int64)[docs]}
 
 
 def timed_build_and_reuse(data_prefix: str | os.PathLike, tokenizer_dir: str | os.PathLike, cache_dir: str | os.PathLike,
@@ -208,6 +234,8 @@ def plot_sample_spans(dataset, num: int = 12, start: int | None = None):
 def plot_shuffle_index(dataset, max_points: int = 5000):
     """Scatter of the shuffle index: position in the epoch (x) against the sample read (y).
 
+    At most ``max_points`` points are drawn (every k-th position); the legend sits below the axes.
+
     Returns:
         The matplotlib figure.
     """
@@ -216,9 +244,44 @@ def plot_shuffle_index(dataset, max_points: int = 5000):
     shuffle = np.asarray(dataset.shuffle_index)
     step = max(1, len(shuffle) // max_points)
     x = np.arange(len(shuffle))[::step]
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = plt.subplots(figsize=(5, 4.4))
     ax.scatter(x, shuffle[::step], s=2, label=f"{len(shuffle):,} samples" + (f" (1 in {step} shown)" if step > 1 else ""))
     ax.set(xlabel="position i (order the trainer reads)", ylabel="shuffle_index[i] (sample id)",
            title="The shuffle index is a permutation")
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False, markerscale=4)  # below: covers no point
+    return fig
+
+
+def plot_packing(dataset):
+    """Two panels on how ``GPTDataset`` packs documents into samples of ``seq_length + 1`` tokens.
+
+    Left: the share of samples that read 1, 2, 3... documents (a sample with two or more runs
+    across an EOD boundary). Right: every document-index entry's length in tokens (x) against
+    the samples that read it (y), with the line ``length / seq_length`` a document would span
+    alone and ``seq_length`` marked. Counts from :func:`packing_counts`.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    counts = packing_counts(dataset)
+    seq = dataset.config.sequence_length
+    per_sample, spans, lengths = counts["documents_per_sample"], counts["samples_per_entry"], counts["entry_lengths"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [1, 1.8]})
+    k = np.arange(1, int(per_sample.max()) + 1)
+    share = np.array([np.mean(per_sample == n) for n in k])
+    bars = left.bar(k, 100 * share, color="tab:blue", label=f"{len(per_sample):,} samples")
+    left.bar_label(bars, labels=[f"{100 * v:.1f} %" for v in share], fontsize=8, padding=2)
+    left.set(xticks=k, xlabel="documents read by one sample", ylabel="share of the samples (%)",
+             ylim=(0, 100 * share.max() * 1.15), title=f"Documents per sample of {seq} + 1 tokens")
+    left.legend(loc="upper right")
+    right.scatter(lengths, spans, s=6, alpha=0.4, color="tab:blue", label=f"{len(spans):,} document-index entries")
+    grid = np.geomspace(max(1, lengths.min()), lengths.max(), 100)
+    right.plot(grid, grid / seq, color="black", ls="--", label="length / seq_length")
+    right.axvline(seq, color="tab:red", label=f"seq_length = {seq} tokens")
+    right.set(xscale="log", yscale="log", xlabel="document length (tokens, log scale)",
+              ylabel="samples that read the document (log scale)", title="Samples each document is cut into")
+    right.legend(loc="upper left")
+    fig.tight_layout()
     return fig

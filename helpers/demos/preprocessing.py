@@ -4,10 +4,13 @@
   its line of the loose JSON (notebook 01 section 5);
 * :func:`megatron_preprocess_command`: today's Megatron-LM command for the same files
   (notebook 01 section 6; ``bench/preprocess.py`` runs it);
+* :func:`token_spans`, :func:`cut_names`, :func:`plot_token_spans`: how the trained BPE cuts a few lines of code,
+  one colour band per token (notebook 01 section 3);
 * :func:`build_corpus_dataset`: a further corpus tokenized with the run's tokenizer, to blend
   (notebook 02 section 9).
 
-Sources: Megatron-LM ``tools/preprocess_data.py``; megatron-core ``datasets/indexed_dataset.py``.
+Sources: Megatron-LM ``tools/preprocess_data.py``; megatron-core ``datasets/indexed_dataset.py``;
+Hugging Face ``tokenizers`` ``Encoding.offsets``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from helpers.learn import corpus as corpus_mod
 from helpers.learn import tokenizer as tokenizer_mod
@@ -139,3 +142,120 @@ def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_
         f"--workers {workers}",
         "--append-eod",
     ])
+
+
+@dataclass(frozen=True)
+class TokenSpan:
+    """One token of a text: its id, its entry in the vocabulary and the characters it covers.
+
+    Attributes:
+        id: token id.
+        token: its vocabulary entry (byte-level: ``Ġ`` a space, ``Ċ`` a newline).
+        start, end: its characters are ``text[start:end]`` (Python string indices).
+    """
+
+    id: int
+    token: str
+    start: int
+    end: int
+
+
+def token_spans(tokenizer: Any, text: str) -> list[TokenSpan]:
+    """The tokens of ``text`` with the character span of each, from the tokenizer's offsets.
+
+    Args:
+        tokenizer: a Hugging Face ``tokenizers.Tokenizer`` (:func:`helpers.learn.tokenizer.load_fast_tokenizer`)
+            or a transformers fast tokenizer (:func:`helpers.learn.tokenizer.load_tokenizer`).
+        text: the text to encode (no special tokens are added).
+
+    Returns:
+        One :class:`TokenSpan` per token, in order. For a byte-level BPE with ``trim_offsets=False``
+        (notebook 01's) the spans are contiguous and cover ``text`` exactly; where one character's
+        bytes are split over several tokens, those tokens share the character's span.
+    """
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        ids, tokens, offsets = enc.ids, enc.tokens, enc.offsets
+    else:  # transformers' fast tokenizer
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+    return [TokenSpan(int(i), t, int(a), int(b)) for i, t, (a, b) in zip(ids, tokens, offsets)]
+
+
+
+def cut_names(text: str, spans: Sequence[TokenSpan]) -> dict[str, list[str]]:
+    """The names (identifiers and keywords) of ``text`` that the tokenizer cuts into several pieces.
+
+    Args:
+        text: the encoded text. spans: :func:`token_spans` of it.
+
+    Returns:
+        ``{name: [piece, ...]}`` in the order the names first appear, each piece the part of the
+        name one token covers (``"makedirs"`` -> ``["ma", "ked", "ir", "s"]``); names that lie
+        within one token are left out.
+    """
+    import re
+
+    out: dict[str, list[str]] = {}
+    for match in re.finditer(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        a, b = match.span()
+        pieces = [text[max(s.start, a):min(s.end, b)] for s in spans if s.start < b and s.end > a]
+        if len(pieces) > 1 and match.group() not in out:
+            out[match.group()] = pieces
+    return out
+
+#: Colours of the token bands, cycled so that neighbouring tokens differ (matplotlib's tab20, light shades).
+_BAND_COLOURS = ("#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+
+
+def plot_token_spans(text: str, spans: Sequence[TokenSpan], *, title: str = "How the BPE cuts the code",
+                     first_line: int = 1):
+    """The characters of ``text`` on a grid, one colour band behind each token's characters.
+
+    Each character takes one cell of a monospace grid (row = line, column = character); a space
+    is drawn as ``·`` and a newline as ``↵`` at the end of its line, so a token made of
+    indentation or of a newline and the next line's indentation shows as a band over those
+    marks. The number of tokens that start on each line is written at its right.
+
+    Args:
+        text: the text that was encoded. spans: :func:`token_spans` of it.
+        first_line: number of the first line in its file (for the y-axis labels).
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    cells, row, col = [], 0, 0  # (row, column) of every character
+    for ch in text:
+        cells.append((row, col))
+        row, col = (row + 1, 0) if ch == "\n" else (row, col + 1)
+    rows = max(r for r, _ in cells) + 1 if cells else 1
+    cols = max(c for _, c in cells) + 1 if cells else 1
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.14 * cols + 1.6), 0.42 * rows + 1.3))
+    starts_per_row = [0] * rows
+    for k, span in enumerate(spans):
+        colour = _BAND_COLOURS[k % len(_BAND_COLOURS)]
+        if span.start < len(cells):
+            starts_per_row[cells[span.start][0]] += 1
+        for i in range(span.start, min(span.end, len(cells))):
+            r, c = cells[i]
+            ax.add_patch(Rectangle((c, r - 0.42), 1, 0.84, facecolor=colour, edgecolor="none"))
+        if span.start < len(cells):  # a thin white gap where a token starts
+            r, c = cells[span.start]
+            ax.plot([c, c], [r - 0.42, r + 0.42], color="white", lw=1.5)
+    for ch, (r, c) in zip(text, cells):
+        shown, colour = {" ": ("·", "0.45"), "\n": ("↵", "0.45"), "\t": ("→", "0.45")}.get(ch, (ch, "black"))
+        ax.text(c + 0.5, r, shown, ha="center", va="center", family="monospace", fontsize=10, color=colour)
+    for r, n in enumerate(starts_per_row):
+        ax.text(cols + 0.8, r, f"{n} tokens", va="center", fontsize=8, color="0.3")
+    ax.set(xlim=(0, cols + 6), ylim=(rows - 0.5, -0.5), title=title,
+           xlabel="column (characters; · a space, ↵ a newline; one colour band per token)", ylabel="line of the file")
+    ax.set_yticks(range(rows), [str(first_line + r) for r in range(rows)])
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig
