@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.runner import data_stage, launch, preflight, series
+from helpers.runner import data_stage, launch, preflight, series, timings
 from helpers.learn import memory, model, preprocess, training_config
 
 
@@ -49,7 +49,7 @@ def test_an_unreadable_idx_is_named_with_the_fix(tmp_path):
 def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
     cfg = training_config.profile("cpu", str(run_with_data), model={"vocab_size": 512}, train_iters=50, lr_warmup_iters=5,
                                   split="90,8,2")  # the split training reads with: the data's own, as notebook 03 passes it
-    plan = preflight.preflight(cfg, nproc=1, device="cpu", threads=2)
+    plan = preflight.preflight(cfg, nproc=1, device="cpu", matmul_gflops=100.0)
     paths = data_stage.data_paths(run_with_data)
     per_epoch = preflight.train_tokens_per_epoch(paths.data_prefix, paths.split)
     assert plan.tokens_per_iteration == 4 * 128 and plan.train_tokens == 50 * 4 * 128
@@ -58,11 +58,15 @@ def test_the_plan_is_the_arithmetic_of_the_config(run_with_data):
     expected_memory = memory.memory_per_gpu(cfg.model, model.Layout(1, 1, 1), micro_batch_size=4, precision="fp32",
                                             fused=False)
     assert plan.memory_per_gpu_bytes == expected_memory.total > 0
-    assert plan.estimated_seconds == pytest.approx(
-        50 * 512 * model.flops_per_token(cfg.model) / (2 * preflight.STATED_CPU_FLOPS_PER_THREAD))
+    # the recorded cpu run's launch (data/measured_cpu_run.json), scaled by this CPU's speed against that run's
+    seconds, rate = timings.training_estimate(50 * 512, model.flops_per_token(cfg.model), 100.0)
+    assert plan.estimated_seconds == pytest.approx(seconds) and plan.flops_per_s == pytest.approx(rate)
+    recorded = timings.load()["machine"]["matmul_gflops"]
+    slower = preflight.preflight(cfg, nproc=1, device="cpu", matmul_gflops=50.0)  # a CPU half as fast: twice the time
+    assert slower.estimated_seconds == pytest.approx(2 * plan.estimated_seconds)
     text = plan.text()
-    assert f"{per_epoch:,}" in text and "stated: 44 GFLOP/s per CPU thread x 2" in text
-    full = preflight.preflight(dataclasses.replace(cfg, recompute="full"), nproc=1, device="cpu", threads=2)  # the memory savers count
+    assert f"{per_epoch:,}" in text and f"scaled by this CPU's matmul, 100 against {recorded:,.0f} GFLOP/s" in text
+    full = preflight.preflight(dataclasses.replace(cfg, recompute="full"), nproc=1, device="cpu", matmul_gflops=100.0)  # the memory savers count
     assert full.memory_per_gpu_bytes == memory.memory_per_gpu(cfg.model, model.Layout(1, 1, 1), micro_batch_size=4,
                                                               precision="fp32", recompute="full", fused=False).total
     assert full.memory_per_gpu_bytes < plan.memory_per_gpu_bytes
@@ -81,7 +85,7 @@ def test_gpu_estimate_uses_the_peak_and_an_unknown_gpu_has_none():
 
 def test_a_run_that_repeats_its_data_too_often_is_refused_unless_asked():
     cfg = training_config.profile("codeparrot-small", "/nonexistent-run", model={"vocab_size": 8192}, precision="fp32")
-    plan = preflight.preflight(cfg, nproc=8, tokens_per_epoch=5_675_565, device="cpu", threads=2)
+    plan = preflight.preflight(cfg, nproc=8, tokens_per_epoch=5_675_565, device="cpu", matmul_gflops=100.0)
     assert plan.epochs == pytest.approx(150_000 * 192 * 1024 / 5_675_565)  # the guide over this corpus: ~5,200
     with pytest.raises(preflight.RepeatedDataError, match=r"5,196.17 epochs .* max_epochs=16 .*max_epochs=0"):
         preflight.check_repeats(plan)

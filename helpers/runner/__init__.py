@@ -16,6 +16,8 @@ A learner reads it only to see how the series is run; nothing in ``helpers.learn
 * ``readiness`` (``make check``, 00): is this machine ready; ``report`` (the report card of a
   run); ``book`` (``make book``: the executed notebooks as a static site); ``widget_text`` (a notebook's
   progress bars kept as the text of their final state, for JupyterLab and the book).
+* ``timings``: the recorded cpu run (``data/measured_cpu_run.json``) behind every time the series states:
+  the runner's time left, ``make check``'s and the preflight's estimates, the instructor guide's tables.
 * ``run_pack`` (``make pack`` / ``make unpack``): a finished run folder as one archive, unpacked into
   another clone whose notebooks then skip the training.
 """

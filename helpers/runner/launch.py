@@ -446,7 +446,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     The command is :func:`helpers.runner.megatron_args.command`: ``torchrun --nproc-per-node N -m
     helpers.learn.pretrain_gpt <Megatron-LM's flags>``; ``run.json`` records ``cfg`` in the run folder,
     ``training.log`` the loop's output, and ``metrics.jsonl`` / ``training_summary.json`` what it
-    logged (:mod:`helpers.runner.metrics`). Megatron-LM resumes from the latest checkpoint in
+    logged (:mod:`helpers.runner.metrics`), with the launch's wall seconds beside the preflight's estimate. Megatron-LM resumes from the latest checkpoint in
     ``cfg.checkpoint_path`` itself (``--load``).
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
@@ -527,5 +527,7 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
             bar.close()
     records = metrics.from_megatron_lm(cfg, log_path.read_text(errors="replace"))
     summary = metrics.summary(cfg, records, nproc_per_node=nproc_per_node, optimizer=megatron_args.optimizer_name())
+    summary.update(launch_wall_seconds=round(res.wall_seconds, 2), train_tokens=plan.train_tokens,  # the preflight's
+                   estimated_seconds=plan.estimated_seconds and round(plan.estimated_seconds, 2))  # estimate, and the launch
     cfg.summary_file.write_text(json.dumps(summary, indent=2) + "\n")
     return TrainingResult(summary, records, res.wall_seconds, False, res.lines)

@@ -18,12 +18,13 @@ al. 2022 (PaLM), appendix B (MFU); NVIDIA data sheets (:data:`PEAK_BF16_FLOPS`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from helpers.learn import checkpointing, preprocess
-from helpers.runner import data_stage
+from helpers.runner import data_stage, readiness, timings
 from helpers.learn import model as model_lib
 from helpers.learn.memory import checkpoint_bytes, memory_per_gpu
 from helpers.learn.training_config import TrainingConfig, num_microbatches, resolve_precision
@@ -42,12 +43,11 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "L4": 121e12,
 }
 
-#: Stated throughputs behind the time estimate (not measured on the machine at hand):
-#: on a GPU, this share of its peak (the issue's target for the guide's model on one H100/H200
-#: is about 40 %; 30 % leaves headroom); on a CPU, model FLOP/s per thread, measured for the
-#: cpu profile on a 2-core AMD EPYC (88.5 GFLOP/s on 2 threads, the cpu-long run of 2026-12-01).
+#: The stated throughput behind the time estimate on a GPU (not measured on the machine at hand): this
+#: share of its peak (the issue's target for the guide's model on one H100/H200 is about 40 %; 30 %
+#: leaves headroom). On a CPU the estimate is the recorded cpu run's launch scaled by this machine's
+#: matrix-multiply speed (:func:`helpers.runner.timings.training_estimate`).
 STATED_GPU_MFU = 0.30
-STATED_CPU_FLOPS_PER_THREAD = 44e9
 
 
 #: Bytes a run writes beside its checkpoints, allowed for in :attr:`Preflight.disk_bytes`: the
@@ -104,8 +104,9 @@ class Preflight:
     communication buffers). ``checkpoint_bytes``: one save (:func:`helpers.learn.memory.checkpoint_bytes`);
     ``checkpoint_saves``: the saves still to come (Megatron-LM keeps them all) from
     ``start_iteration``, the checkpoint it resumes from (None: a fresh start); ``free_bytes``: free
-    space on the checkpoint folder's disk now. ``flops_per_s``: the stated rate behind ``estimated_seconds``
-    (None for a GPU missing from :data:`PEAK_BF16_FLOPS`), described by ``rate_source``.
+    space on the checkpoint folder's disk now. ``flops_per_s``: the model FLOP/s behind ``estimated_seconds``
+    (a GPU: stated; a CPU: the recorded run's, scaled; None for a GPU missing from :data:`PEAK_BF16_FLOPS`), with
+    ``rate_source`` saying which.
     """
 
     device: str
@@ -151,25 +152,26 @@ class Preflight:
 
 
 def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, device: str | None = None,
-              threads: int | None = None) -> Preflight:
+              matmul_gflops: float | None = None) -> Preflight:
     """Work out ``cfg``'s run (a :class:`helpers.learn.training_config.TrainingConfig`) on ``nproc`` processes.
 
     Args:
         tokens_per_epoch: training tokens of the data; default read from ``cfg.data_prefix_path``
             when its ``.idx`` and the run folder's data manifest exist (else left unknown).
         device: ``"cuda:<name>"`` or ``"cpu"``; default this machine's.
-        threads: CPU threads per process for the estimate (default ``torch.get_num_threads()``).
+        matmul_gflops: on a CPU, this machine's speed for the time estimate (GFLOP/s of a 512x512 fp32 matrix
+            multiply; default measured now, 0.5 s: :func:`helpers.runner.readiness.matmul_gflops`).
 
     Raises:
         TypeError, ValueError: values :meth:`TrainingConfig.check` refuses (without its file
             checks); on this machine's GPUs, more processes than GPUs; an unreadable ``.idx``.
     """
     dp = cfg.check(world_size=nproc, files=False)
-    return _plan(cfg, nproc, dp, checkpointing.latest_iteration(cfg.checkpoint_path), tokens_per_epoch, device, threads)
+    return _plan(cfg, nproc, dp, checkpointing.latest_iteration(cfg.checkpoint_path), tokens_per_epoch, device, matmul_gflops)
 
 
 def _plan(cfg, nproc: int, dp: int, start: int | None, tokens_per_epoch: int | None = None, device: str | None = None,
-          threads: int | None = None) -> Preflight:
+          matmul_gflops: float | None = None) -> Preflight:
     """:func:`preflight` of a config already checked (``dp``: its data-parallel size), resuming from
     iteration ``start`` (None: a fresh start)."""
     import torch
@@ -197,16 +199,26 @@ def _plan(cfg, nproc: int, dp: int, start: int | None, tokens_per_epoch: int | N
         rate = None if peak is None else peak * STATED_GPU_MFU * nproc
         source = (f"stated: {STATED_GPU_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s x {nproc} GPU" if peak else
                   f"no peak known for {device}: add it to preflight.PEAK_BF16_FLOPS")
-    else:
-        threads = threads or torch.get_num_threads()
-        rate = STATED_CPU_FLOPS_PER_THREAD * threads
-        source = f"stated: {STATED_CPU_FLOPS_PER_THREAD / 1e9:.0f} GFLOP/s per CPU thread x {threads}"
+        seconds = total * fpt / rate if rate else None
+    else:  # the recorded cpu run's launch, scaled by this machine's matrix-multiply speed against that run's
+        measured = timings.load()
+        speed = matmul_gflops or _cpu_speed()
+        seconds, rate = timings.training_estimate(total, fpt, speed, measured) if measured else (None, None)
+        source = (f"the cpu run of {measured['started'][:10]} ({measured['machine']['cpu_model']}) scaled by this "
+                  f"CPU's matmul, {speed:,.0f} against {measured['machine']['matmul_gflops']:,.0f} GFLOP/s" if measured
+                  else f"no recorded run ({timings.MEASURED_FILE.name}) to scale by")
     return Preflight(device=device, precision=precision, tokens_per_iteration=per_iteration, train_tokens=total,
                      tokens_per_epoch=tokens_per_epoch, epochs=total / tokens_per_epoch if tokens_per_epoch else None,
                      memory_per_gpu_bytes=memory.total, checkpoint_bytes=checkpoint_bytes(cfg.model, precision, nproc),
                      checkpoint_saves=checkpoint_saves(cfg, start or 0), start_iteration=start,
                      free_bytes=free_bytes(cfg.checkpoint_path), flops_per_token=fpt, flops_per_s=rate, rate_source=source,
-                     estimated_seconds=total * fpt / rate if rate else None)
+                     estimated_seconds=seconds)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_speed() -> float:
+    """This machine's matrix-multiply GFLOP/s, measured once per process (0.5 s)."""
+    return readiness.matmul_gflops(0.5)
 
 
 def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_name: str = "run.json") -> Preflight | None:

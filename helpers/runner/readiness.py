@@ -11,7 +11,7 @@ writes (its ``.venv`` and a run folder), memory, usable cores, whether the packa
 whether JupyterLab's port is free, and an estimated series time from a short measurement: a
 float matrix multiply in the installed torch when there is one (the series' time is mostly
 matrix multiplies), else a pure-Python loop (rougher), each scaled by the same measurement on
-the machine the series' time was measured on (:data:`REFERENCE`).
+the run the series' time was measured in (:mod:`helpers.runner.timings`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,6 @@ MIN_FREE_DISK_GB = 10.0
 MIN_MEMORY_GB = 6.0
 MIN_CORES = 2
 JUPYTER_PORT = 8888
-#: The reference machine (2-core Intel Xeon with AVX-512, 2026-12-03): the cpu series' wall time in a
-#: fresh clone of fffc154 (load average 1.0-1.9), and the medians of three runs of each
-#: :func:`measure_speed` measurement on it (22:40 UTC, load average 0.3). Rough: on a 2-core AMD EPYC
-#: without AVX-512 the matmul measured 2.9x slower and the series about 1.8x slower, so the estimate
-#: errs long on such machines.
-REFERENCE = {"series_s": 340.8, "matmul_gflops": 369.6, "python_loop_mops": 27.3}
 
 
 @dataclass
@@ -160,6 +154,35 @@ def port_check(port: int = JUPYTER_PORT) -> Check:
             return Check("jupyter port", None, f"{port} in use (another JupyterLab?): make lab will take the next free one")
 
 
+def matmul_gflops(seconds: float = 1.0, bursts: int = 5) -> float:
+    """GFLOP/s of a 512x512 fp32 matrix multiply in this process's torch, on the threads torch picks: the fastest of
+    ``bursts`` timings of ``seconds / bursts`` each, after three warm-up products (2 x 512^3 floating-point operations
+    each). The fastest, because other work on the cores slows a burst by whatever share it takes (on 2 cores under a
+    load of 10, single bursts measured 2 to 16 GFLOP/s against about 200 when quiet); the caller states the load."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    best = 0.0
+    for _ in range(bursts):
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / bursts:
+            a @ b
+            n += 1
+        best = max(best, 2 * 512 ** 3 * n / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def python_loop_mops(seconds: float = 1.0) -> float:
+    """Millions of iterations per second of a pure-Python loop (``n += i & 1``) in this interpreter, for about ``seconds``."""
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for i in range(10_000):
+            n += i & 1
+    return n * 2 / (time.perf_counter() - start) / 1e6
+
+
 def measure_speed(python: str | None = None, seconds: float = 1.0) -> tuple[str, float]:
     """``("matmul_gflops", GFLOP/s)`` of a 512x512 fp32 matrix multiply in ``python``'s torch, or
     ``("python_loop_mops", million loop iterations per s)`` of this interpreter when there is no torch.
@@ -168,35 +191,33 @@ def measure_speed(python: str | None = None, seconds: float = 1.0) -> tuple[str,
     threads torch picks, for about ``seconds``.
     """
     if python and Path(python).exists():
-        code = ("import time, torch\na = torch.randn(512, 512); b = torch.randn(512, 512)\nfor _ in range(3): a @ b\n"
-                f"n, t = 0, time.perf_counter()\nwhile time.perf_counter() - t < {seconds}:\n    a @ b; n += 1\n"
-                "print(2 * 512 ** 3 * n / (time.perf_counter() - t) / 1e9)")
+        code = f"from helpers.runner.readiness import matmul_gflops; print(matmul_gflops({seconds}))"
         try:
-            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=20, check=True)
+            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=20, check=True, cwd=ROOT)
             return "matmul_gflops", float(out.stdout.strip().splitlines()[-1])
         except (subprocess.SubprocessError, ValueError, IndexError, OSError):
             pass
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for i in range(10_000):
-            n += i & 1
-    return "python_loop_mops", n * 2 / (time.perf_counter() - start) / 1e6
+    return "python_loop_mops", python_loop_mops(seconds)
 
 
 def estimate_check(python: str | None = None) -> Check:
-    """The cpu series' time here: :data:`REFERENCE` ``series_s`` scaled by the measured speed."""
+    """The cpu series' time here: the recorded run's (:mod:`helpers.runner.timings`) scaled by the measured speed."""
+    from helpers.runner import timings
+
     kind, value = measure_speed(python)
-    ref = REFERENCE.get(kind) or 0.0
-    if not ref or value <= 0:
-        return Check("estimated series", None, f"{kind} {value:,.1f} (no reference to scale by)")
-    est = REFERENCE["series_s"] * ref / value
-    how = "torch matmul" if kind == "matmul_gflops" else "a Python loop, before install: rough"
-    unit = "GFLOP/s" if kind == "matmul_gflops" else "million iterations/s"
+    measured = timings.load()
+    if not measured or value <= 0:
+        return Check("estimated series", None, f"{kind} {value:,.1f} (no recorded run to scale by)")
+    recorded, ref = sum(measured["notebooks"].values()), measured["machine"][kind]
+    est = timings.series_estimate(value, measured, kind)
+    how, unit = ("torch matmul", "GFLOP/s") if kind == "matmul_gflops" else \
+        ("a Python loop, before install: rough", "million iterations/s")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     busy = f"; load average {load:.1f}: other work shares the cores, so this is pessimistic" if load > 1.0 else ""
-    slow = "; over 3x the reference: run notebooks 03 and 05 as demonstrations" if est > 3 * REFERENCE["series_s"] else ""
+    slow = "; over 3x the recorded run: run notebooks 03 and 05 as demonstrations" if est > 3 * recorded else ""
     return Check("estimated series", None, f"about {est / 60:,.0f} minutes for the cpu profile ({how}: {value:,.1f} {unit} "
-                 f"against {ref:,.1f} on the reference 2-core machine, higher is faster{busy}{slow})")
+                 f"against {ref:,.1f} where the series took {recorded / 60:.1f} minutes "
+                 f"({measured['machine']['cpu_model']}), higher is faster{busy}{slow})")
 
 
 def report(folder: Path = ROOT) -> list[Check]:

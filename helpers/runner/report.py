@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from helpers.support import environment, results
+from helpers.runner import readiness
 from helpers.runner.metrics import read_metrics
 
 #: The entry of ``summary.json`` holding the runner's own facts (``{"start": {...}, "end": {...}}``).
@@ -60,7 +61,8 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
     The environment table of :func:`helpers.support.environment.report` (versions, Apex, Transformer
     Engine, CUDA and GPUs), the git commit and whether the tree had changes (``git status
     --porcelain``, untracked files included), the CPU model, logical and usable cores, memory
-    (GiB) and the load average (1/5/15 min), the profile, the overrides and the series'
+    (GiB), the load average (1/5/15 min), the speed of a matrix multiply and of a Python loop (about 1 s;
+    :func:`helpers.runner.readiness.matmul_gflops`), the profile, the overrides and the series'
     notebooks (``notebooks``, stems, to name those that did not run).
 
     Returns:
@@ -74,7 +76,9 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
              "cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
              "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
              "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-             "load_average_start": _load_average()}
+             "load_average_start": _load_average(),
+             # this machine's speed, by the measurements make check scales the recorded run's time with (timings)
+             "matmul_gflops": round(readiness.matmul_gflops(0.5), 1), "python_loop_mops": round(readiness.python_loop_mops(0.5), 2)}
     return results.record_many(run_dir, SECTION, {"start": facts, "end": {}})["start"]  # {}: not finished yet
 
 

@@ -40,7 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from helpers.runner import data_stage, report, widget_text
+from helpers.runner import data_stage, report, timings, widget_text
 from helpers.support import results, run_guard
 from helpers.runner.parameters import (PROFILES, RUNNER_PARAMETERS, ParameterError, notebook_parameters,  # noqa: F401
                                 parse_override, resolve_parameters)  # (re-exported: the runner's API)
@@ -77,14 +77,10 @@ RUNNER_ENV = "HELPERS_SERIES_RUN_DIR"
 #: Where a notebook is executed until it succeeds: ``{run}/executed/last-attempt/`` (see the module's docstring).
 ATTEMPT_DIR = "last-attempt"
 
-#: Seconds each notebook took in a measured run of a profile: a fresh clone of 696ea2e, ``make tutorial`` on a
-#: 2-core Intel Xeon, 2026-12-04, load average 0.9 at the start and 2.5 at the end (548.5 s in all). The runner
-#: prints the time left from them while it runs; a profile without a measurement gets no estimate.
-MEASURED_SECONDS: dict[str, dict[str, float]] = {
-    "cpu": {"00_container_setup": 11.8, "01_data_preprocessing": 32.8, "02_data_loader": 9.7, "03_training": 131.1,
-            "04_fused_kernels": 34.0, "05_parallelism": 74.8, "05b_memory_toolbox": 167.3, "06_conversion": 42.1,
-            "07_evaluation": 45.1},
-}
+#: Seconds each notebook took in a measured run of a profile (the cpu profile's: ``data/measured_cpu_run.json``,
+#: :mod:`helpers.runner.timings`). The runner prints the time left from them while it runs; a profile without a
+#: measurement gets no estimate.
+MEASURED_SECONDS: dict[str, dict[str, float]] = {"cpu": timings.notebook_seconds()}
 #: Seconds between two progress lines of a notebook that is still running.
 HEARTBEAT_S = 30.0
 
