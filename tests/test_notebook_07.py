@@ -40,10 +40,13 @@ def test_figures_draw_one_bar_per_scorer_and_set_and_one_line_per_set():
     assert len(ax.patches) == 6 and "bits per byte" in ax.get_title()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["model", "gzip -9", "xz -9e"]
     points = {"validation split": [(0.0, 4.0, 0), (5.0, 2.5, 6)], "unseen packages": [(0.0, 4.5, 0), (5.0, 3.1, 6)]}
-    ax = evaluation_curve.curve_figure(points, {"validation split": 3.0, "unseen packages": 3.2}).axes[0]
+    fig = evaluation_curve.curve_figure(points, {"validation split": 3.0, "unseen packages": 3.2})
+    ax, top = fig.axes
     assert len(ax.lines) == 4  # a curve and gzip's level per set
     assert list(ax.lines[0].get_ydata()) == [4.0, 2.5] and list(ax.lines[1].get_ydata()) == [3.0, 3.0]
-    assert "training time" in ax.get_xlabel() and [a.get_text() for a in ax.texts] == ["it 0", "it 6"] * 2
+    assert "training time" in ax.get_xlabel() and not ax.texts  # no labels beside the points: they overlapped
+    assert [t.get_text() for t in top.get_xticklabels()] == ["0", "6"] and list(top.get_xticks()) == [0.0, 5.0]
+    assert top.get_xlim() == ax.get_xlim() and "iteration" in top.get_xlabel()
 
 
 @pytest.mark.slow

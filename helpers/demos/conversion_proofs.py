@@ -4,8 +4,8 @@
 * section 3: :func:`qkv_rows`, :func:`qkv_order`, :func:`qkv_layout_figure`, :func:`qkv_head_table` (the QKV
   layouts of GPT-2 and of a Llama with grouped-query attention, drawn and checked);
 * section 5: :func:`tokenizer_files_identical`;
-* section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_scatter_figure`,
-  :func:`validation_tokens` (the same logits);
+* section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_differences`,
+  :func:`logit_difference_figure`, :func:`validation_tokens` (the same logits);
 * section 8: :func:`validation_loss`, :func:`compare_validation_loss` (the same validation loss);
 * section 9: the same greedy tokens: ``helpers.demos.generation``;
 * sections 10 and 12: :func:`compare_hf_folders` (bit-identical folders);
@@ -252,34 +252,79 @@ def compare_logits(reference: torch.Tensor, converted: torch.Tensor) -> LogitCom
     return LogitComparison(diff, agree, tuple(converted.shape), ref.abs().max().item())
 
 
-def logit_scatter_figure(reference: torch.Tensor, converted: torch.Tensor, max_points: int = 20000):
-    """Scatter of megatron-core vs transformers logits (same token ids), plus the histogram of differences.
+def logit_differences(reference: torch.Tensor, converted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every compared logit's value and its disagreement: what :func:`logit_difference_figure` draws.
 
     Args:
         reference: megatron-core logits ``[b, s, V_pad]``; converted: transformers ``[b, s, V]``.
 
     Returns:
-        A matplotlib ``Figure`` (two panels, titled and labelled).
+        ``(values, differences)``, both float32 ``[b * s * V]``: the megatron-core logit (nats) and
+        ``transformers - megatron-core`` (nats, signed), over the real vocabulary only.
+
+    Raises:
+        ValueError: see :func:`compare_logits`.
+    """
+    if reference.shape[:-1] != converted.shape[:-1] or reference.shape[-1] < converted.shape[-1]:
+        raise ValueError(f"logit shapes {tuple(reference.shape)} vs {tuple(converted.shape)} cannot be compared")
+    ref = reference[..., :converted.shape[-1]].reshape(-1).float()
+    return ref, converted.reshape(-1).float() - ref
+
+
+#: Where :func:`logit_difference_figure` draws differences of exactly 0 on its log axes (nats).
+ZERO_FLOOR = 1e-10
+
+
+def logit_difference_figure(reference: torch.Tensor, converted: torch.Tensor, max_points: int = 20000,
+                            tolerance: float = 1e-4):
+    """How far transformers' logits are from megatron-core's: |difference| against the logit, and its histogram.
+
+    The logits themselves agree so closely that a scatter of one against the other is the
+    diagonal; this draws the disagreement instead. Left: ``|transformers - megatron-core|``
+    (log scale) against the megatron-core logit for ``max_points`` logits sampled with a fixed
+    seed, beside the spacing of float32 numbers at that value (``|x| * 2**-23``: the size of one
+    rounding) and the tolerance. Right: the histogram of ``log10 |difference|`` over every logit.
+    Differences of exactly 0 are drawn at :data:`ZERO_FLOOR`.
+
+    Args:
+        reference: megatron-core logits ``[b, s, V_pad]``; converted: transformers ``[b, s, V]``.
+        max_points: logits drawn in the left panel.
+        tolerance: the acceptance threshold drawn in both panels (nats).
+
+    Returns:
+        A matplotlib ``Figure`` (two panels, titled and labelled); the left panel's first
+        collection holds the sampled ``(logit, |difference|)`` points.
+
+    Raises:
+        ValueError: see :func:`compare_logits`.
     """
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    ref = reference[..., :converted.shape[-1]].reshape(-1).float()
-    conv = converted.reshape(-1).float()
-    idx = torch.randperm(ref.numel(), generator=torch.Generator().manual_seed(0))[:max_points]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.scatter(ref[idx], conv[idx], s=2, alpha=0.4, label=f"{len(idx):,} logits")
-    lo, hi = float(ref.min()), float(ref.max())
-    ax1.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="y = x")
-    ax1.set(title="Logits: transformers vs megatron-core", xlabel="megatron-core logit (nats)",
-            ylabel="transformers logit (nats)")
-    ax1.legend()
-    raw = (conv - ref).abs()
+    values, diffs = logit_differences(reference, converted)
+    raw = diffs.abs()
+    idx = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))[:max_points]
     exact = int((raw == 0).sum())
-    ax2.hist(torch.log10(raw.clamp(min=1e-10)).numpy(), bins=60,
-             label=f"max {raw.max().item():.2e}; {exact:,} exactly equal (drawn at -10)")
-    ax2.axvline(-4, color="red", ls="--", label="tolerance 1e-4")
-    ax2.set(title="|difference| per logit", xlabel="log10 |transformers - megatron-core| (nats)", ylabel="logits")
-    ax2.legend()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    ax1.scatter(values[idx].numpy(), raw[idx].clamp(min=ZERO_FLOOR).numpy(), s=3, alpha=0.35, color="tab:blue",
+                label=f"{len(idx):,} of {values.numel():,} logits")
+    xs = np.linspace(float(values.min()), float(values.max()), 400)
+    ax1.plot(xs, np.maximum(np.abs(xs) * 2.0 ** -23, ZERO_FLOOR), color="black", lw=1,
+             label="float32 spacing at that logit, |x| * 2^-23")
+    ax1.axhline(tolerance, color="red", ls="--", label=f"tolerance {tolerance:g}")
+    ax1.set_yscale("log")
+    ax1.set(title=f"|difference| against the logit (0 drawn at {ZERO_FLOOR:g})", xlabel="megatron-core logit (nats)",
+            ylabel="|transformers - megatron-core| (nats)")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    ax2.hist(torch.log10(raw.clamp(min=ZERO_FLOOR)).numpy(), bins=60, color="tab:blue",
+             label=f"max {raw.max().item():.2e}, median {raw.median().item():.1e};\n"
+                   f"{exact:,} exactly equal (drawn at {ZERO_FLOOR:g})")
+    ax2.axvline(np.log10(tolerance), color="red", ls="--", label=f"tolerance {tolerance:g}")
+    ax2.set(title="|difference| per logit, every logit", xlabel="log10 |transformers - megatron-core| (log10 nats)",
+            ylabel="number of logits")
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.suptitle(f"Converted model: transformers' logits minus megatron-core's, at most {raw.max().item():.1e} nats "
+                 f"(largest |logit| {values.abs().max().item():.1f})")
     fig.tight_layout()
     return fig
 

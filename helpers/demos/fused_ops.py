@@ -20,6 +20,7 @@ Hendrycks & Gimpel 2016 (the tanh GELU); Apex ``apex/normalization/fused_layer_n
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -420,33 +421,152 @@ def benchmark_fusions(shapes: Mapping[str, Sequence[int]], *, device: str = "cpu
                            str(dtype).replace("torch.", ""))
 
 
+#: Each op of :data:`helpers.demos.roofline.FUSED_OPS` in words, for plots.
+OP_WORDS = {"bias_gelu": "bias + GELU", "bias_dropout_add": "bias + dropout + residual add",
+            "scale_mask_softmax": "scale + mask + softmax", "layernorm": "LayerNorm"}
+
+#: Each implementation key of :func:`fusion_candidates` in words, for plots.
+IMPLEMENTATION_WORDS = {
+    "eager": "eager, op by op (unfused)",
+    "eager_formula": "megatron's tanh formula, op by op",
+    "megatron_fused": "megatron-core fused",
+    "torch_compile": "torch.compile of the eager ops",
+    "torch_native": "torch's native LayerNorm kernel",
+    "megatron_cuda_kernel": "megatron-core fused CUDA kernel",
+    "apex": "Apex FusedLayerNorm",
+    "transformer_engine": "Transformer Engine LayerNorm",
+}
+
+#: Each :func:`helpers.demos.roofline.traffic_model` form in words, for plot legends.
+FORM_WORDS = {"unfused": "eager baseline, unfused: one kernel per op", "unfused_formula": "tanh formula, one kernel per op",
+              "fused": "fused: one kernel"}
+
+
+def implementation_words(row: Mapping[str, Any], gelu: bool = True) -> str:
+    """A :class:`FusionBenchmark` row's implementation in words (``"megatron-core fused (torch.compile)"``).
+
+    megatron-core's compiled forms name the compiler its ``jit_fuser`` is here (from the row's
+    ``implementation``); with ``gelu``, bias + GELU rows also name their GELU (erf or tanh).
+    Unknown keys fall back to the row's ``implementation``.
+    """
+    words = IMPLEMENTATION_WORDS.get(row["key"], row["implementation"])
+    if row["key"] == "megatron_fused":
+        fuser = next((f for f in ("torch.compile", "torch.jit.script", "no-op") if f in row["implementation"]), None)
+        words += f" ({fuser})" if fuser else ""
+    if gelu and row["op"] == "bias_gelu" and row["key"] in ("eager", "torch_compile"):
+        words += ", erf GELU"
+    if gelu and row["op"] == "bias_gelu" and row["key"] == "megatron_fused":
+        words += ", tanh GELU"
+    return words
+
+
+def log_ticks(lo: float, hi: float, minimum: int = 4) -> list[float]:
+    """Tick values around ``[lo, hi]`` for a log axis: the 1-2-5 series (..., 0.5, 1, 2, 5, 10, ...)
+    over up to 2 decades, 1-3 (0.3, 1, 3, 10) up to 3.5 decades, powers of ten beyond (so that
+    the labels never crowd).
+
+    Returns at least ``minimum`` ticks: the ticks inside ``[lo, hi]``, the nearest one at or
+    below ``lo`` and at or above ``hi``, and, where still too few, more outside (the caller
+    widens the axis to the first and last).
+
+    Raises:
+        ValueError: ``lo`` or ``hi`` not positive, or ``lo > hi``.
+    """
+    if not (0 < lo <= hi):
+        raise ValueError(f"lo={lo}, hi={hi}: need 0 < lo <= hi")
+    decades = math.log10(hi / lo)
+    steps = (1, 2, 5) if decades <= 2 else (1, 3) if decades <= 3.5 else (1,)
+    series = [float(f"{m * 10.0 ** e:.6g}") for e in range(-6, 7) for m in steps]
+    inside = [t for t in series if lo <= t <= hi]
+    below = [t for t in series if t < lo][::-1]
+    above = [t for t in series if t > hi]
+    if below and (not inside or inside[0] > lo):
+        inside.insert(0, below.pop(0))
+    if above and inside[-1] < hi:
+        inside.append(above.pop(0))
+    while len(inside) < minimum and (below or above):
+        if above and (not below or len(above) >= len(below)):
+            inside.append(above.pop(0))
+        if len(inside) < minimum and below:
+            inside.insert(0, below.pop(0))
+    return sorted(inside)
+
+
+def speedup_bars(bench: FusionBenchmark) -> list[dict[str, Any]]:
+    """What :func:`plot_speedups` draws, top bar first: one dict per row of ``bench``.
+
+    Returns:
+        ``[{"label": "<op in words>: <implementation in words>", "form": ..., "speedup": speedup
+        over the op's eager baseline (x), "low", "high": the speedups at the baseline's median
+        over the row's 75th and 25th percentile times, "baseline": True for the op's eager row}]``.
+    """
+    base = {r["op"]: r["median_ms"] for r in bench.rows if r["key"] == "eager"}
+    bars = []
+    for r in bench.rows:
+        b = base.get(r["op"], r["median_ms"])
+        bars.append({"label": f"{OP_WORDS.get(r['op'], r['op'])}: {implementation_words(r)}", "form": r["form"],
+                     "speedup": r["speedup_vs_eager"], "low": b / r["q75_ms"], "high": b / r["q25_ms"],
+                     "baseline": r["key"] == "eager"})
+    return bars
+
+
 def plot_speedups(bench: FusionBenchmark, title: str = "Measured speedup over eager, per op"):
-    """Horizontal bars of :class:`FusionBenchmark` speedups (log scale, IQR whiskers); returns the Figure."""
+    """Horizontal bars of :class:`FusionBenchmark` speedups (log scale, IQR whiskers); returns the Figure.
+
+    One bar per row (:func:`speedup_bars`), labelled in words, coloured by form (legend),
+    starting at 1x (right: faster than eager, left: slower), the speedup written at its end; each
+    eager baseline is a marker at 1x. The x axis has 1-2-5 ticks (:func:`log_ticks`).
+    """
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
     colors = {"unfused": "tab:grey", "unfused_formula": "tab:red", "fused": "tab:blue"}
-    rows = bench.rows[::-1]  # first op at the top
-    base = {r["op"]: r["median_ms"] for r in bench.rows if r["key"] == "eager"}
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    bars = speedup_bars(bench)[::-1]  # first op at the top
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(bars) + 2.2))
     seen: set[str] = set()
-    for i, r in enumerate(rows):
-        y = r["speedup_vs_eager"]
-        b = base.get(r["op"], r["median_ms"])
-        err = [[y - b / r["q75_ms"]], [b / r["q25_ms"] - y]]
-        label = r["form"] if r["form"] not in seen else None
-        seen.add(r["form"])
-        ax.barh(i, y, xerr=err, capsize=2, color=colors.get(r["form"], "tab:green"), label=label)
-        ax.text(max(y, b / r["q25_ms"]) * 1.06, i, f"{y:.2f}x", va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)), [f"{r['op']}: {r['implementation']}" for r in rows], fontsize=7)
+    for i, b in enumerate(bars):
+        y = b["speedup"]
+        label = FORM_WORDS.get(b["form"], b["form"]) if b["form"] not in seen else None
+        seen.add(b["form"])
+        color = colors.get(b["form"], "tab:green")
+        if b["baseline"]:
+            ax.plot([1.0], [i], "D", color=color, ms=7, label=label)
+            ax.annotate("1x (baseline)", (1.0, i), xytext=(8, 0), textcoords="offset points", va="center", fontsize=8)
+            continue
+        ax.barh(i, y - 1.0, left=1.0, xerr=[[max(y - b["low"], 0)], [max(b["high"] - y, 0)]], capsize=2,
+                color=color, label=label)
+        faster = y >= 1
+        ax.annotate(f"{y:.2f}x", (max(y, b["high"]) if faster else min(y, b["low"]), i),
+                    xytext=(5 if faster else -5, 0), textcoords="offset points", va="center",
+                    ha="left" if faster else "right", fontsize=8)
+    ax.set_yticks(range(len(bars)), [b["label"] for b in bars], fontsize=8)
     ax.axvline(1.0, color="black", lw=0.8)
-    ax.set_ylabel("op: implementation")
+    ax.set_ylabel("operation: implementation")
     ax.set_xscale("log")
+    lo = min([b["low"] for b in bars] + [b["speedup"] for b in bars] + [1.0])
+    hi = max([b["high"] for b in bars] + [b["speedup"] for b in bars] + [1.0])
+    ticks = log_ticks(lo, hi)
+    room = (hi / lo) ** 0.12  # about an eighth of the axis on each side, for the written speedups
+    ax.set_xlim(min(ticks[0], lo) / (room if lo < 1 else 1.15), max(ticks[-1], hi) * room)
+    ax.xaxis.set_major_locator(ticker.FixedLocator(ticks))
     ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-    ax.set_xlabel(f"speedup over the op's eager baseline (x, log scale; {bench.device}, {bench.dtype}; "
-                  "whiskers: interquartile range)")
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_xlabel(f"speedup over the operation's eager baseline (times faster, log scale; {bench.device}, "
+                  f"{bench.dtype}; whiskers: interquartile range)")
     ax.set_title(title)
-    ax.legend(title="form", loc="best", fontsize=7)
+    ax.legend(title="form (bars start at 1x: right of it faster than eager, left of it slower)", loc="upper center",
+              bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, title_fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def roofline_points(bench: FusionBenchmark) -> list[tuple[str, str, float, float]]:
+    """Every row of ``bench`` as a point of :func:`helpers.demos.roofline.plot_roofline`.
+
+    Returns:
+        ``[(operation in words, implementation in words, intensity FLOP/byte, achieved FLOP/s)]``:
+        the roofline colours points by operation and marks them by implementation.
+    """
+    return [(OP_WORDS.get(r["op"], r["op"]), implementation_words(r, gelu=False), r["intensity_flop_per_byte"],
+             r["achieved_GFLOP_s"] * 1e9) for r in bench.rows]

@@ -4,7 +4,8 @@ Notebook 05, section 4 ("Training for real: TP=2, PP=2 and DP=2 against one proc
 :func:`comparison_config` (the config every layout shares), :func:`initial_checkpoint` (the
 TP=1 model's initial weights every layout starts from), :func:`run_layout`,
 :func:`loss_table`, :func:`compare_losses` (within :data:`LOSS_ATOL_FP32`), :func:`plot_losses`,
-:func:`timing_table` (4.3); section 7 ("Bad input stops before any process starts":
+:func:`timing_table`, :func:`plot_wall_times`, :func:`wall_time_summary` (4.3); section 7
+("Bad input stops before any process starts":
 :func:`run_layout` refuses a layout before launching); section 8 (the TP=2 run's checkpoint
 for notebook 06).
 
@@ -344,31 +345,161 @@ def timing_table(runs: Sequence[LayoutRun], tokens_per_iteration: int) -> list[d
     """
     rows = []
     for run in runs:
-        per_iter = sorted(run.s_per_iter)[len(run.s_per_iter) // 2]
+        per_iter = median_s_per_iter(run)
         rows.append({"run": run.name, "processes": run.layout.world_size, "wall_s": run.wall_seconds,
                      "cached": run.skipped, "median_s_per_iter": round(per_iter, 4),
                      "tokens_per_s": round(tokens_per_iteration / per_iter)})
     return rows
 
 
+def run_label(run: LayoutRun, reference: bool = False) -> str:
+    """``"TP=2 PP=1 DP=1 (2 processes)"``: a run in words for legends and bar labels."""
+    procs = run.layout.world_size
+    words = f"{run.layout.label} ({procs} process{'es' if procs > 1 else ''}"
+    words += ", own initial weights" if run.initial == "own" else ""
+    return words + (", reference)" if reference else ")")
+
+
+#: Sideways shift between two runs' markers in :func:`plot_losses` (iterations).
+LOSS_PLOT_DODGE = 0.2
+
+
+def _dodges(n: int) -> list[float]:
+    return [(j - (n - 1) / 2) * LOSS_PLOT_DODGE for j in range(n)]
+
+
+def loss_differences(reference: LayoutRun, run: LayoutRun, floor: float = 1e-12) -> list[float]:
+    """``|loss - reference loss|`` per iteration (nats/token), exact zeros raised to ``floor`` for a log axis.
+
+    Raises:
+        ValueError: the runs logged different numbers of iterations.
+    """
+    if len(run.losses) != len(reference.losses):
+        raise ValueError(f"{run.name} logged {len(run.losses)} iterations, the reference {len(reference.losses)}")
+    return [max(abs(a - b), floor) for a, b in zip(run.losses, reference.losses)]
+
+
 def plot_losses(reference: LayoutRun, runs: Sequence[LayoutRun]):
-    """Left: loss per iteration of every run; right: |difference| to the reference (log scale)."""
+    """Left: loss per iteration of every run; right: |difference| to the reference (log scale).
+
+    Runs whose losses agree to 1e-6 would hide each other, so every run has its own marker and
+    line style, and its markers are shifted sideways by a multiple of :data:`LOSS_PLOT_DODGE`
+    iterations (said in the legend); the reference is the wide grey line at the true iterations.
+    Differences of exactly 0 are drawn at 1e-12.
+
+    Returns:
+        a matplotlib ``Figure`` with two axes; in each, the runs' lines follow the reference's
+        (left) or the tolerance line (right), in the order of ``runs``.
+    """
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    its = range(1, len(reference.losses) + 1)
-    ax1.plot(its, reference.losses, "k-", lw=3, alpha=0.4, label=f"{reference.name} (reference)")
-    markers = "os^vDx"
-    for i, run in enumerate(runs):
-        ax1.plot(its, run.losses, marker=markers[i % 6], ls="--", ms=4, label=run.name)
-        diffs = [max(abs(a - b), 1e-12) for a, b in zip(run.losses, reference.losses)]
-        ax2.semilogy(its, diffs, marker=markers[i % 6], ms=4, label=run.name)
-    ax2.axhline(LOSS_ATOL_FP32, color="red", ls=":", label=f"tolerance {LOSS_ATOL_FP32:g}")
-    ax1.set(title="LM loss per iteration", xlabel="iteration", ylabel="loss (nats/token)")
-    ax2.set(title=f"|loss - {reference.name} loss| (1e-12 = identical)", xlabel="iteration",
-            ylabel="absolute difference (nats/token)")
-    ax1.legend(fontsize=8)
-    ax2.legend(fontsize=8, loc="center right")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    its = list(range(1, len(reference.losses) + 1))
+    ax1.plot(its, reference.losses, "-", color="grey", lw=6, alpha=0.35, label=run_label(reference, True))
+    ax2.axhline(LOSS_ATOL_FP32, color="red", ls=":", label=f"tolerance {LOSS_ATOL_FP32:g} nats")
+    styles = [("o", "--", "tab:blue"), ("s", "-.", "tab:orange"), ("^", ":", "tab:green"),
+              ("D", "--", "tab:purple"), ("v", "-.", "tab:brown"), ("X", ":", "tab:pink")]
+    for run, dx, (marker, ls, color) in zip(runs, _dodges(len(runs)), styles * len(runs)):
+        xs = [i + dx for i in its]
+        shift = f"{dx:+.1f} it" if dx else "not shifted"
+        ax1.plot(xs, run.losses, marker=marker, ls=ls, ms=6, mfc="none", mew=1.5, color=color,
+                 label=f"{run_label(run)}, {shift}")
+        ax2.semilogy(xs, loss_differences(reference, run), marker=marker, ls=ls, ms=6, mfc="none", mew=1.5,
+                     color=color, label=f"{run_label(run)}, {shift}")
+    ax1.set(title="LM loss per iteration: every layout", xlabel="iteration", ylabel="loss (nats/token)")
+    ax2.set(title=f"|loss - one-process loss| per iteration (log scale; 0 drawn at 1e-12)",
+            xlabel="iteration", ylabel="absolute difference (nats/token)")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+               title="markers shifted sideways so that equal values stay visible", title_fontsize=8)
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    for ax in (ax1, ax2):
+        ax.set_xticks(its)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def median_s_per_iter(run: LayoutRun) -> float:
+    """The run's median seconds per iteration (the upper median, as :func:`timing_table` reports).
+
+    Raises:
+        ValueError: the run logged no iteration times.
+    """
+    if not run.s_per_iter:
+        raise ValueError(f"{run.name} logged no s_per_iter")
+    return sorted(run.s_per_iter)[len(run.s_per_iter) // 2]
+
+
+#: Relative run-to-run noise of a time per iteration on a shared machine: a parallel run counts as
+#: faster than one process in :func:`wall_time_summary` only when it takes less than 1 - this of its time.
+TIME_NOISE = 0.10
+
+
+def wall_time_summary(reference: LayoutRun, runs: Sequence[LayoutRun], cores: int | None = None) -> str:
+    """One sentence, computed from the runs: were the parallel layouts faster per iteration than one process, and why.
+
+    A run counts as faster only when its median time per iteration is below ``1 - TIME_NOISE``
+    of the reference's (:data:`TIME_NOISE`: the noise of a shared machine).
+
+    Args:
+        reference: the one-process run.
+        runs: the parallel runs.
+        cores: CPU cores of this machine (default ``os.cpu_count()``).
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not runs:
+        raise ValueError("wall_time_summary needs at least one parallel run")
+    cores = cores or os.cpu_count() or 1
+    ref = median_s_per_iter(reference)
+    ratios = {r.layout.label + (" from its own initial weights" if r.initial == "own" else ""):
+              median_s_per_iter(r) / ref for r in runs}
+    faster = [k for k, v in ratios.items() if v < 1 - TIME_NOISE]
+    procs = "/".join(str(n) for n in sorted({r.layout.world_size for r in runs}))
+    each = ", ".join(f"{k} {v:.2f}x as long" for k, v in ratios.items())
+    closest = min(ratios, key=ratios.get)
+    noise = f"{TIME_NOISE:.0%}, the run-to-run noise of a shared machine"
+    verdict = (f"none of the {len(runs)} parallel runs was clearly faster per iteration than one process (by more "
+               f"than {noise}; closest: {closest})" if not faster else
+               f"{len(faster)} of the {len(runs)} parallel runs {'was' if len(faster) == 1 else 'were'} faster per "
+               f"iteration than one process by more than {noise} ({', '.join(faster)})")
+    plural = "s" if cores > 1 else ""
+    return (f"On this machine's {cores} CPU core{plural}, {verdict}. Time per iteration against {ref:.3f} s for one "
+            f"process: {each}. Why: the {procs} processes of a parallel run share the same {cores} core{plural} the "
+            "one process had to itself, so no layout gets more compute, and each adds communication over gloo: TP "
+            "all-reduces inside every layer, PP sends between its stages and its pipeline bubble, DP one gradient "
+            "all-reduce per step.")
+
+
+def plot_wall_times(reference: LayoutRun, runs: Sequence[LayoutRun], title: str = "Wall time per layout"):
+    """Horizontal bars per run: the launch's wall time (s) and the median seconds per iteration.
+
+    One bar per run, the one-process reference first (grey); each bar carries its value and its
+    ratio to the reference.
+
+    Returns:
+        a matplotlib ``Figure`` with two axes (wall time, seconds per iteration).
+    """
+    import matplotlib.pyplot as plt
+
+    every = [reference, *runs][::-1]  # reference at the top
+    labels = [run_label(r, r is reference) for r in every]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.5 * len(every) + 1.9), sharey=True)
+    panels = ((axes[0], [r.wall_seconds for r in every], "s", "whole launch: imports, set-up, training, save (s)",
+               "Wall time of the torchrun launch"),
+              (axes[1], [median_s_per_iter(r) for r in every], "s/it", "median time per iteration (s)",
+               "Time per training iteration"))
+    for ax, values, unit, xlabel, panel_title in panels:
+        ref = values[-1]
+        ax.barh(range(len(every)), values, color=["tab:grey" if r is reference else "tab:blue" for r in every])
+        for y, v in enumerate(values):
+            ax.text(v + 0.02 * max(values), y, f"{v:.3g} {unit} ({v / ref:.2f}x)", va="center", fontsize=8)
+        ax.set_xlim(0, max(values) * 1.35)
+        ax.set(xlabel=xlabel, title=panel_title)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(every)), labels, fontsize=8)
+    fig.suptitle(f"{title} (ratios: against the one-process run; {os.cpu_count()} CPU cores)")
     fig.tight_layout()
     return fig
 

@@ -4,7 +4,8 @@
   fusion flags (:data:`FUSION_FLAGS`) off and on, timed in paired rounds
   (:func:`benchmark_fusion_flags`);
 * section 9: megatron-core's op-by-op ``DotProductAttention`` against the fused SDPA one of
-  :mod:`helpers.learn.attention` (:func:`benchmark_core_attention`);
+  :mod:`helpers.learn.attention` (:func:`benchmark_core_attention`); both measurements drawn as
+  bars (:func:`step_time_bars`, :func:`plot_step_times`);
 * section 10: what training should use on this device, following this notebook's recorded
   measurement when a run folder has one (:func:`adamw_implementation`,
   :func:`recommended_fusion_flags`).
@@ -203,6 +204,81 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
     b, s = micro_batch_size, cfg.seq_length
     return AttentionBenchmark(shape=shape, timings=timings, max_abs_diff=diff,
                               score_matrix_bytes=b * heads * s * s * torch.tensor([], dtype=dtype).element_size())
+
+
+# ------------------------------------------------------------------ both measurements as bars (sections 8 and 9)
+#: The configurations :func:`step_time_bars` draws, in words: ``{(panel key, timing key): label}``.
+STEP_CONFIGURATIONS = {
+    ("flags", "flags off"): "fusion flags off: unfused element-wise kernels",
+    ("flags", "flags on"): "fusion flags on: fused bias + GELU,\nbias + dropout + add, softmax",
+    ("attention", "unfused"): "megatron-core DotProductAttention\n(op by op: scores, mask, softmax, x V)",
+    ("attention", "sdpa"): "fused: torch scaled_dot_product_attention",
+}
+
+
+def step_time_bars(flags: FlagsBenchmark, attn: AttentionBenchmark) -> list[dict[str, Any]]:
+    """The bars of :func:`plot_step_times`: one per configuration measured in sections 8 and 9.
+
+    Args:
+        flags: :func:`benchmark_fusion_flags` (a whole training step, flags off and on).
+        attn: :func:`benchmark_core_attention` (core attention alone, op by op and SDPA).
+
+    Returns:
+        ``[{"panel": "flags" | "attention", "configuration": words, "median_ms", "q25_ms", "q75_ms":
+        milliseconds per forward + backward, "speedup": the panel's first configuration's median
+        over this one's (1.0 for the first; > 1: faster)}]``, flags first.
+    """
+    bars = []
+    for panel, timings in (("flags", flags.timings), ("attention", attn.timings)):
+        first = None
+        for key, t in timings.items():
+            first = first or t.median_s
+            bars.append({"panel": panel, "configuration": STEP_CONFIGURATIONS.get((panel, key), key),
+                         "median_ms": t.median_s * 1e3, "q25_ms": t.q25_s * 1e3, "q75_ms": t.q75_s * 1e3,
+                         "speedup": first / t.median_s})
+    return bars
+
+
+def plot_step_times(flags: FlagsBenchmark, attn: AttentionBenchmark, *, device: str = "cpu",
+                    title: str = "Fusion in a training step and in attention, measured"):
+    """Horizontal bars of milliseconds per forward + backward (median, IQR whiskers), one per configuration.
+
+    Top panel: a whole training step of notebook 03's model with the fusion flags off and on
+    (section 8); bottom panel: core attention alone, megatron-core's op-by-op module and SDPA
+    (section 9). Each bar carries its time and its speedup over its panel's first bar.
+
+    Returns:
+        a matplotlib ``Figure`` with two axes.
+    """
+    import matplotlib.pyplot as plt
+
+    bars = step_time_bars(flags, attn)
+    s, b, heads, head_dim = attn.shape
+    titles = {"flags": f"One training step of notebook 03's model (forward + backward, micro-batch "
+                       f"{flags.micro_batch_size} x {flags.seq_length} tokens)",
+              "attention": f"Core attention alone (forward + backward, {b} x {heads} heads x {s} tokens, "
+                           f"head dim {head_dim}, causal)"}
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.2))
+    for ax, panel in zip(axes, ("flags", "attention")):
+        rows = [r for r in bars if r["panel"] == panel][::-1]  # first configuration at the top
+        ys = range(len(rows))
+        colors = ["tab:grey" if r is rows[-1] else "tab:blue" for r in rows]
+        ax.barh(ys, [r["median_ms"] for r in rows], color=colors, height=0.6,
+                xerr=[[r["median_ms"] - r["q25_ms"] for r in rows], [r["q75_ms"] - r["median_ms"] for r in rows]],
+                capsize=3)
+        right = max(r["q75_ms"] for r in rows)
+        for y, r in zip(ys, rows):
+            what = "baseline" if r is rows[-1] else f"speed-up {r['speedup']:.2f}x" + (" = slower" if r["speedup"] < 1 else "")
+            ax.text(max(r["q75_ms"], r["median_ms"]) + 0.02 * right, y, f"{r['median_ms']:.1f} ms ({what})",
+                    va="center", fontsize=8)
+        ax.set_yticks(list(ys), [r["configuration"] for r in rows], fontsize=8)
+        ax.set_xlim(0, right * 1.45)
+        ax.set_xlabel(f"time per forward + backward (ms; {device}, median, whiskers: interquartile range)", fontsize=8)
+        ax.set_title(titles[panel], fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 # ------------------------------------------------------------------ what notebook 03's training uses (section 10)

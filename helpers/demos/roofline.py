@@ -372,37 +372,92 @@ def measure_roofline(*, device: str = "cpu", copy_mib: int = 256, matmul_n: int 
     return Roofline(bw, peak, device_type(device), str(dtype).replace("torch.", ""), copy, mm)
 
 
-def plot_roofline(roofline: Roofline, points: Sequence[tuple[str, float, float]] = (),
+def plot_roofline(roofline: Roofline, points: Sequence[tuple] = (),
                   title: str = "Roofline of this machine"):
-    """Log-log roofline with measured points.
+    """Log-log roofline with measured points, every point identifiable from the legends beside the plot.
 
     Args:
         roofline: the machine.
-        points: ``(label, intensity FLOP/byte, achieved FLOP/s)`` per measured kernel.
+        points: either ``(label, intensity FLOP/byte, achieved FLOP/s)`` per measured kernel
+            (each its own colour and marker, one legend entry each), or ``(group, kind,
+            intensity, achieved FLOP/s)`` (colour by group, marker by kind: two small legends,
+            e.g. operation and implementation, :func:`helpers.demos.fused_ops.roofline_points`).
+            The legends sit outside the axes, to the right.
         title: the plot title.
 
     Returns:
         a matplotlib ``Figure``.
+
+    Raises:
+        ValueError: points mixing 3- and 4-element tuples.
     """
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.lines import Line2D
 
-    lo = min([p[1] for p in points] + [roofline.ridge_intensity / 100]) / 2
-    hi = max([p[1] for p in points] + [roofline.ridge_intensity * 10]) * 2
+    sizes = {len(p) for p in points}
+    if sizes - {3, 4} or len(sizes) > 1:
+        raise ValueError(f"points: pass all (label, x, y) or all (group, kind, x, y) tuples, not sizes {sorted(sizes)}")
+    grouped = sizes == {4}
+    xs_pts = [p[-2] for p in points]
+    lo = min(xs_pts + [roofline.ridge_intensity / 100]) / 2
+    hi = max(xs_pts + [roofline.ridge_intensity * 10]) * 2
     xs = np.logspace(math.log10(lo), math.log10(hi), 200)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ax.loglog(xs, [roofline.attainable_flops(x) / 1e9 for x in xs], "k-", lw=2,
-              label=f"roof: {roofline.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-                    f"{roofline.peak_flops_per_s / 1e9:.0f} GFLOP/s ({roofline.dtype} matmul)")
-    ax.axvline(roofline.ridge_intensity, color="grey", ls=":",
-               label=f"ridge point {roofline.ridge_intensity:.1f} FLOP/byte")
-    markers, cmap = "osD^v<>ph*", plt.get_cmap("tab20")
-    for i, (label, x, y) in enumerate(points):
-        ax.loglog([x], [y / 1e9], markers[i % len(markers)], ms=8, color=cmap(i % 20), label=label)
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    roof, = ax.loglog(xs, [roofline.attainable_flops(x) / 1e9 for x in xs], "k-", lw=2,
+                      label=f"roof: {roofline.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+                            f"{roofline.peak_flops_per_s / 1e9:.0f} GFLOP/s ({roofline.dtype} matmul)")
+    ridge = ax.axvline(roofline.ridge_intensity, color="grey", ls=":",
+                       label=f"ridge point {roofline.ridge_intensity:.1f} FLOP/byte")
+    markers, cmap = "osD^Xv<>ph", plt.get_cmap("tab10")
+    if grouped:
+        groups = list(dict.fromkeys(p[0] for p in points))
+        kinds = list(dict.fromkeys(p[1] for p in points))
+        for (group, kind, _, y), x in zip(points, spread_intensities(xs_pts)):
+            ax.loglog([x], [y / 1e9], markers[kinds.index(kind) % len(markers)], ms=9, mfc="none", mew=2,
+                      color=cmap(groups.index(group) % 10))
+        first = ax.legend(handles=[roof, ridge], loc="lower right", fontsize=8)
+        ax.add_artist(first)
+        by_group = [Line2D([], [], ls="none", marker="s", ms=9, color=cmap(i % 10), label=g)
+                    for i, g in enumerate(groups)]
+        by_kind = [Line2D([], [], ls="none", marker=markers[i % len(markers)], ms=9, mfc="none", mew=2,
+                          color="black", label=k) for i, k in enumerate(kinds)]
+        colour_legend = ax.legend(handles=by_group, title="colour: operation", loc="upper left",
+                                  bbox_to_anchor=(1.02, 1.0), fontsize=8, title_fontsize=8)
+        ax.add_artist(colour_legend)
+        ax.legend(handles=by_kind, title="marker: implementation", loc="upper left",
+                  bbox_to_anchor=(1.02, 0.64), fontsize=8, title_fontsize=8)
+    else:
+        for i, (label, x, y) in enumerate(points):
+            ax.loglog([x], [y / 1e9], markers[i % len(markers)], ms=8, color=plt.get_cmap("tab20")(i % 20),
+                      label=label)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)" + (
+        f"\npoints of equal intensity spread sideways by factors of {SPREAD_FACTOR:g}, so that none hides another"
+        if grouped and spread_intensities(xs_pts) != xs_pts else ""))
     ax.set_ylabel("performance (GFLOP/s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+#: Factor between neighbouring points of equal intensity in :func:`plot_roofline` (log x axis).
+SPREAD_FACTOR = 1.15
+
+
+def spread_intensities(xs: Sequence[float]) -> list[float]:
+    """``xs`` with the points of equal value spread around it by powers of :data:`SPREAD_FACTOR`.
+
+    Forms of one op that share a traffic model (``torch.compile`` and a native kernel, say) have
+    the same intensity and, often, similar FLOP/s: on a log axis their markers would cover each
+    other. The ``n`` points of one value ``x`` are drawn at ``x * SPREAD_FACTOR ** (j - (n - 1) / 2)``,
+    in their order; single points stay where they are.
+    """
+    out, seen = list(xs), {}
+    for i, x in enumerate(xs):
+        seen.setdefault(x, []).append(i)
+    for x, idx in seen.items():
+        for j, i in enumerate(idx):
+            out[i] = x * SPREAD_FACTOR ** (j - (len(idx) - 1) / 2) if len(idx) > 1 else x
+    return out
