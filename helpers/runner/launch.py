@@ -446,8 +446,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     The command is :func:`helpers.runner.megatron_args.command`: ``torchrun --nproc-per-node N -m
     helpers.learn.pretrain_gpt <Megatron-LM's flags>``; ``run.json`` records ``cfg`` in the run folder,
     ``training.log`` the loop's output, and ``metrics.jsonl`` / ``training_summary.json`` what it
-    logged (:mod:`helpers.runner.metrics`), with the launch's wall seconds beside the preflight's estimate. Megatron-LM resumes from the latest checkpoint in
-    ``cfg.checkpoint_path`` itself (``--load``).
+    logged (:mod:`helpers.runner.metrics`), with the launch's wall seconds beside the preflight's
+    estimate. Megatron-LM resumes from the latest checkpoint in ``cfg.checkpoint_path`` itself (``--load``).
 
     Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
     Every check runs first, in one pass (:func:`helpers.runner.preflight.check_run`), so bad

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -185,7 +184,9 @@ def outcomes_text(measured: dict[str, Any]) -> str:
     return (f"In the recorded run the model ended at a validation loss of {o['final_valid_loss']:.2f} nats per token. "
             f"On the two unseen packages it needs {o['unseen_model_bits_per_byte']:.2f} bits per byte against gzip's "
             f"{o['unseen_gzip_bits_per_byte']:.2f} (validation documents: {o['valid_model_bits_per_byte']:.2f} against "
-            f"{o['valid_gzip_bits_per_byte']:.2f}): it has learned something about Python that a compressor has not. "
+            f"{o['valid_gzip_bits_per_byte']:.2f})"
+            + (": it has learned something about Python that a compressor has not. "
+               if o["unseen_model_bits_per_byte"] < o["unseen_gzip_bits_per_byte"] else ": not yet better than gzip. ")
             + ("None of its sampled completions parse" if not o["syntax_validity"] else
                f"{o['syntax_validity']:.0%} of its sampled completions parse")
             + f" (syntax validity: the share that `ast.parse` accepts), and pass@1 on the ten function tasks is "
@@ -200,10 +201,10 @@ READING_MINUTES = 5
 
 def exercise_table(measured: dict[str, Any]) -> str:
     """Per notebook, the machine time of each exercise's solution in the recorded run (``make solutions``, one
-    notebook at a time) and the minutes to allow: :data:`READING_MINUTES` + that time, rounded up."""
+    notebook at a time) and the minutes to allow: :data:`READING_MINUTES` + that time, to the nearest minute."""
     rows = []
     for stem, times in measured.get("exercises", {}).items():
-        allow = [READING_MINUTES + math.ceil(t / 60) for t in times]
+        allow = [READING_MINUTES + round(t / 60) for t in times]
         rows.append(f"| {stem} | {' · '.join(f'{t:.0f}' for t in times)} | {' · '.join(map(str, allow))} | {sum(allow)} |")
     return ("| notebook | each exercise's solution, machine seconds (1 · 2 · ...) | minutes to allow, each | all |\n"
             "| --- | --- | --- | --- |\n" + "\n".join(rows))
