@@ -23,7 +23,9 @@ def test_the_book_of_the_smoke_series(series_run):
     assert pages == sorted(f"{r.stem}.html" for r in runs) and len(pages) == len(series.notebooks()) == 9
     text = index.read_text()
     assert all(f'href="{p}"' in text for p in pages) and "report card" in text and "<table>" in text
-    for link in re.findall(r'(?:href|src)="(\.\./figures/[^"]+)"', text):  # the report card's figures resolve
+    links = re.findall(r'(?:href|src)="(figures/[^"]+)"', text)
+    assert links and "figures/03_loss_and_lr.png" in links  # thumbnails, copied into the book: it stands alone
+    for link in links:  # the index's and the report card's figures resolve
         assert (index.parent / link).resolve().is_file(), link
     training = (index.parent / "03_training.html").read_text()
     assert "data:image/png;base64," in training  # the loss curve, inlined: the folder is self-contained
@@ -59,7 +61,8 @@ def test_pages_have_one_parameters_cell_relative_paths_navigation_and_no_dead_so
                                    "| 00_first | all_layouts_match | yes |\n\n## Figures\n\n[00_first_plot](figures/00_first_plot.png)\n")
     index = book.build(run).read_text()
     assert "12 s in this run" in index and "see [the solutions]" not in index  # the time; the intro's paragraph, rendered
-    assert index.count('<img src="../figures/00_first_plot.png"') == 2  # the notebook's thumbnail and the card's
+    assert index.count('<img src="figures/00_first_plot.png"') == 2  # the notebook's thumbnail and the card's
+    assert (run / "book" / "figures" / "00_first_plot.png").read_bytes() == b"\x89PNG"  # copied: the book stands alone
     assert index.count("<h1") == 1 and re.search(r"<h2[^>]*>Report card: cpu-test", index) and "<td>all layouts match</td>" in index
     assert "font-family" in index and "border-collapse" in index
     first, second = ((run / "book" / f"{s}.html").read_text() for s in ("00_first", "01_second"))

@@ -103,6 +103,9 @@ def test_compare_states_each_estimate_against_another_run(tmp_path):
     assert series_row["estimated"] == pytest.approx(200.0 * 200 / 180) and series_row["measured"] == 220.0
     assert series_row["error"] == pytest.approx(200.0 * 200 / 180 / 220 - 1)
     assert launch == {"estimated": 125.0, "measured": 130.0, "error": pytest.approx(125 / 130 - 1)}
+    unestimated = timings.compare(_run_folder(tmp_path / "none", estimated=None), RECORDED)  # the recorded run itself
+    assert unestimated["03's training launch (preflight)"]["error"] is None
+    assert timings.main(["compare", str(tmp_path / "none" / "runs" / "cpu-y")]) == 0
 
 
 def test_the_guide_blocks_are_the_recorded_run_and_only_they_are_rewritten(tmp_path):
@@ -130,7 +133,7 @@ def test_the_outcomes_say_what_the_cpu_model_reached():
                 "valid_model_bits_per_byte": 2.2, "valid_gzip_bits_per_byte": 2.95, "syntax_validity": 0.0,
                 "pass_at_1": 0.0, "sample": "def f(x):\n    return x"}
     text = timings.outcomes_text({**RECORDED, "outcomes": outcomes})
-    assert "validation loss of 4.26" in text and "2.12 bits per byte against gzip's 2.60" in text
+    assert "validation loss during training was 4.26" in text and "2.12 bits per byte against gzip's 2.60" in text
     assert "None of its sampled completions parse" in text and "def f(x):\n    return x" in text
     some = timings.outcomes_text({**RECORDED, "outcomes": {**outcomes, "syntax_validity": 0.25}})
     assert "25% of its sampled completions parse" in some

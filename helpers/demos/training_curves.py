@@ -283,7 +283,7 @@ def plot_kill_and_resume(result: Mapping[str, Any]):
     for ax in (top, bottom):
         ax.axvline(killed + 0.5, color="tab:red", ls=":", lw=1.5, label="the kill" if ax is top else None)
     top.set(ylabel="LM loss (nats/token)",
-            title=f"Killed after iteration {killed} and resumed: the same loss at every iteration")
+            title=f"Stopped by SIGTERM, saved at iteration {killed}, resumed: the same loss at every iteration")
     top.legend(loc="lower left")  # a falling loss leaves that corner empty
     merged = {**first, **second}
     diff = [merged[i] - ref[i] for i in its]

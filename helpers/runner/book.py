@@ -2,7 +2,7 @@
 
 ``python -m helpers.runner.book [RUN_DIR]`` (default ``runs/latest``) writes ``RUN_DIR/book/``: one page per
 executed notebook (nbconvert's ``HTMLExporter`` with JupyterLab's template: outputs and figures
-included, images inlined, so the folder is self-contained), one per executed solutions notebook
+included, images inlined, the run's figures copied, so the folder is self-contained), one per executed solutions notebook
 under ``solutions/`` when ``make solutions`` ran (else the links to them say to run it), links between
 notebooks pointing at the pages, previous / contents / next links on every page, one parameters cell
 per page (papermill's injected values folded in as a comment), paths relative to the repository, MathJax
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import html
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -48,8 +49,6 @@ _MATHJAX_FONTS = ('<script type="text/x-mathjax-config">MathJax.Hub.Config({"HTM
 def _copy_mathjax(out: Path) -> None:
     """Copy the installed MathJax (its script, configurations, input/output processors, fonts, extensions;
     about 10 MB) to ``out/_static/mathjax`` once."""
-    import shutil
-
     import jupyter_server_mathjax
 
     source = Path(jupyter_server_mathjax.__file__).parent / "static"
@@ -170,6 +169,9 @@ def build(run_dir: str | Path = ROOT / "runs" / "latest", out_dir: str | Path | 
         f"<h2>The exercises' solutions</h2><ol>{''.join(entries['solutions/'])}</ol>" if entries["solutions/"] else "")
     report = run / "report.md"
     card = markdown2html(report.read_text(encoding="utf-8")) if report.is_file() else "<p>(no report card in this run)</p>"
+    card = _relative_paths(card, run)
+    if (run / "figures").is_dir():  # a copy beside the pages: the book folder alone is the whole site
+        shutil.copytree(run / "figures", out / "figures", dirs_exist_ok=True)
     (out / "index.html").write_text(
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Pre-train a GPT with Megatron</title>"
         f"<style>{_INDEX_CSS}</style></head>"
@@ -200,8 +202,8 @@ def _entry(run: Path, sub: str, stem: str, notebook) -> str:
         next((p for p in parts if p.startswith("**What you will learn**")), "")  # else its list of what it teaches
     summary = run / "summary.json"
     wall = json.loads(summary.read_text()).get(stem, {}).get("wall_seconds") if summary.is_file() else None
-    figures = sorted((run / "figures").glob(f"{stem}_*.png"))
-    thumbs = "".join(f'<a href="../figures/{f.name}"><img src="../figures/{f.name}" alt="{html.escape(f.stem)}" '
+    figures = sorted((run / "figures").glob(f"{stem.split('_')[0]}_*.png"))  # saved as 01_tokens.png, 05b_...
+    thumbs = "".join(f'<a href="figures/{f.name}"><img src="figures/{f.name}" alt="{html.escape(f.stem)}" '
                      f'title="{html.escape(f.stem)}"></a>' for f in figures)
     title = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(_title(notebook) or stem))
     return (f'<li><a href="{sub}{stem}.html"><strong>{title}</strong></a>'
@@ -213,9 +215,8 @@ def _entry(run: Path, sub: str, stem: str, notebook) -> str:
 def _readable_card(card: str) -> str:
     """The report card's HTML for the index: headings one level down (the page has its own h1), figures
     as thumbnails, and the recorded names (``all_savers_match``) with spaces."""
-    card = re.sub(r'(href|src)="figures/', r'\1="../figures/', card)  # the run's figures/, next to book/
     card = re.sub(r"<(/?)h([1-5])", lambda m: f"<{m[1]}h{int(m[2]) + 1}", card)
-    card = re.sub(r'<a href="(\.\./figures/[^"]+\.png)">([^<]+)</a>',
+    card = re.sub(r'<a href="(figures/[^"]+\.png)">([^<]+)</a>',
                   r'<a href="\1"><img src="\1" alt="\2" title="\2" style="height:90px;margin:.3em"></a>', card)
     return re.sub(r"<td>([a-z0-9]+(?:_[a-z0-9]+)+)</td>", lambda m: f"<td>{m[1].replace('_', ' ')}</td>", card)
 

@@ -213,7 +213,8 @@ def estimate_check(python: str | None = None) -> Check:
     how, unit = ("torch matmul", "GFLOP/s") if kind == "matmul_gflops" else \
         ("a Python loop, before install: rough", "million iterations/s")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    busy = f"; load average {load:.1f}: other work shares the cores, so this is pessimistic" if load > 1.0 else ""
+    busy = (f"; load average {load:.1f}: other work shares the cores, and the series takes longer than this while it does"
+            if load > 1.0 else "")  # the speed is the fastest burst: it estimates the machine when it is quiet
     slow = "; over 3x the recorded run: run notebooks 03 and 05 as demonstrations" if est > 3 * recorded else ""
     return Check("estimated series", None, f"about {est / 60:,.0f} minutes for the cpu profile ({how}: {value:,.1f} {unit} "
                  f"against {ref:,.1f} where the series took {recorded / 60:.1f} minutes "

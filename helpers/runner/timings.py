@@ -172,7 +172,7 @@ def guide_table(measured: dict[str, Any] | None = None) -> str:
             f"started, {load1[0]} at its end (its own processes included).\n\n"
             f"| notebook | wall time |\n| --- | --- |\n{rows}\n| **series** | **{total:.0f} s ({total / 60:.1f} min)** |\n\n"
             f"Notebook 03's training launch took {m['training']['launch_wall_seconds']:.0f} s of that "
-            f"({m['training']['tokens_per_s']:,.0f} tokens/s).\n\n" + exercise_table(m))
+            f"({m['training']['tokens_per_s']:,.0f} tokens/s, the median of its log intervals).\n\n" + exercise_table(m))
 
 
 def outcomes_text(measured: dict[str, Any]) -> str:
@@ -181,7 +181,9 @@ def outcomes_text(measured: dict[str, Any]) -> str:
     if not o:
         return "(the recorded run has no outcomes)"
     sample = (o.get("sample") or "").splitlines()[:6]
-    return (f"In the recorded run the model ended at a validation loss of {o['final_valid_loss']:.2f} nats per token. "
+    return (f"In the recorded run the model's last validation loss during training was {o['final_valid_loss']:.2f} nats "
+            "per token (one evaluation of a few batches: it moves by a few tenths from one evaluation to the next; "
+            "notebook 07's bits per byte over whole documents are the steadier measure). "
             f"On the two unseen packages it needs {o['unseen_model_bits_per_byte']:.2f} bits per byte against gzip's "
             f"{o['unseen_gzip_bits_per_byte']:.2f} (validation documents: {o['valid_model_bits_per_byte']:.2f} against "
             f"{o['valid_gzip_bits_per_byte']:.2f})"
@@ -235,13 +237,15 @@ def write_guide(measured: dict[str, Any], guide: Path = GUIDE) -> None:
 def compare(run_dir: str | os.PathLike, measured: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
     """``make check``'s series estimate and the preflight's training estimate for the run in ``run_dir`` (from the
     matrix-multiply speed measured when it started), against what it measured: ``{name: {estimated, measured,
-    error}}``, error = estimated / measured - 1."""
+    error}}``, error = estimated / measured - 1 (None where the run recorded no estimate: a run made without
+    :data:`MEASURED_FILE`, such as the recorded run itself)."""
     measured = load() if measured is None else measured
     run = from_run(run_dir, exercises=False)
     speed, launch = run["machine"]["matmul_gflops"], run["training"]
     pairs = {"series (make check)": (series_estimate(speed, measured), sum(run["notebooks"].values())),
              "03's training launch (preflight)": (launch["estimated_seconds"], launch["launch_wall_seconds"])}
-    return {name: {"estimated": est, "measured": real, "error": est / real - 1} for name, (est, real) in pairs.items()}
+    return {name: {"estimated": est, "measured": real, "error": None if est is None else est / real - 1}
+            for name, (est, real) in pairs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {MEASURED_FILE.relative_to(ROOT)} and the table of {GUIDE.relative_to(ROOT)}:\n\n{guide_table(measured)}")
         else:
             for name, row in compare(args.run_dir).items():
-                print(f"{name}: estimated {row['estimated']:.0f} s, measured {row['measured']:.0f} s ({row['error']:+.0%})")
+                print(f"{name}: measured {row['measured']:.0f} s, " + ("no estimate recorded" if row["error"] is None else
+                      f"estimated {row['estimated']:.0f} s ({row['error']:+.0%})"))
     except (FileNotFoundError, ValueError) as err:
         print(err, file=sys.stderr)
         return 2
