@@ -307,7 +307,9 @@ def test_jit_warmup_would_draw_from_the_weights_generator():
 
 def test_fused_adamw_is_the_same_numbers_faster():
     """Unpatched, Megatron-LM's optimizer on a CPU is torch's for-loop AdamW; patched, torch's fused
-    AdamW, whose steps agree to float32 rounding (a few elements differ in the last bit)."""
+    AdamW, whose steps agree to float32 rounding: a few elements differ by an ulp or two of the weights' scale
+    (on a 2-core AMD EPYC, 25 of 2,048 elements by at most 2.4e-7, one of them 1.6e-6 relative to its small
+    value; on the Intel Xeon within 1e-6 relative), so the bound is relative plus 4 float32 epsilons absolute."""
     import megatron.core.optimizer as mopt
 
     cpu_compat.apply()
@@ -323,7 +325,9 @@ def test_fused_adamw_is_the_same_numbers_faster():
                 opt.step()
             made[label] = (opt.defaults.get("fused"), [q.detach().clone() for q in params])
     assert not made["loop"][0] and made["fused"][0] is True
-    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(made["loop"][1], made["fused"][1]))
+    eps = torch.finfo(torch.float32).eps
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=4 * eps) for a, b in zip(made["loop"][1], made["fused"][1]))
+    assert any(not torch.equal(a, b) for a, b in zip(made["loop"][1], made["fused"][1]))  # two implementations ran
 
 
 def test_the_wheel_lacks_the_dataset_helpers_makefile():
