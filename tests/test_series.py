@@ -110,12 +110,13 @@ def test_only_selects_by_number(tiny_series):
 
 def test_stages_needed_follows_needs_and_skips_stages_whose_files_exist(tmp_path):
     assert series.stages_needed("06_conversion", tmp_path) == ["01_data_preprocessing", "03_training"]
-    assert series.stages_needed("04_fused_kernels", tmp_path) == []
+    assert series.stages_needed("00_container_setup", tmp_path) == []
+    assert series.stages_needed("04_fused_kernels", tmp_path) == ["01_data_preprocessing"]  # section 11's loop reads it
     for f in series.PRODUCES["01_data_preprocessing"]:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text("{}")
     assert series.stages_needed("06_conversion", tmp_path) == ["03_training"]
-    assert series.stages_needed("02_data_loader", tmp_path) == []
+    assert series.stages_needed("02_data_loader", tmp_path) == [] == series.stages_needed("04_fused_kernels", tmp_path)
 
 
 def test_require_without_build_names_the_exact_command(tmp_path):

@@ -63,6 +63,7 @@ PRODUCES: dict[str, tuple[str, ...]] = {
 NEEDS: dict[str, tuple[str, ...]] = {
     "02_data_loader": ("01_data_preprocessing",),
     "03_training": ("01_data_preprocessing",),
+    "04_fused_kernels": ("01_data_preprocessing",),  # section 11 times the training loop on notebook 01's data
     "05_parallelism": ("01_data_preprocessing",),
     "05b_memory_toolbox": ("01_data_preprocessing",),
     "06_conversion": ("01_data_preprocessing", "03_training"),
