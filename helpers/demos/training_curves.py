@@ -153,6 +153,7 @@ def _train_until_sigterm(cfg, after_iteration: int, env: Mapping[str, str], time
         subprocess.TimeoutExpired: it did not end within ``timeout_s`` (it is killed).
     """
     from helpers.runner import launch, megatron_args
+    from helpers.support import run_guard
 
     cfg.run_path.mkdir(parents=True, exist_ok=True)
     cfg.to_json(cfg.run_path / "run.json")
@@ -160,7 +161,8 @@ def _train_until_sigterm(cfg, after_iteration: int, env: Mapping[str, str], time
                                   master_port=launch.free_port())
     job_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     job_env.update({**megatron_args.ENV, **env, "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": str(_ROOT) + (os.pathsep + job_env["PYTHONPATH"] if job_env.get("PYTHONPATH") else "")})
+                    "PYTHONPATH": str(_ROOT) + (os.pathsep + job_env["PYTHONPATH"] if job_env.get("PYTHONPATH") else ""),
+                    run_guard.LAUNCHER_PID_ENV: str(os.getpid())})  # as launch.torchrun: the job stops if this process dies
     marker, lines, sent = f"iteration {after_iteration:8d}/", [], False
     deadline = time.monotonic() + timeout_s
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env, cwd=_ROOT,
