@@ -134,14 +134,8 @@ def _not_busy(folder: Path) -> Iterator[None]:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                try:
-                    job = json.loads(path.read_text() or "{}")
-                except (OSError, json.JSONDecodeError):
-                    job = {}
-                who = (f"pid {job.get('pid')} on {job.get('host')}, started {job.get('started')}: {job.get('command')}"
-                       if job else "a job that has not written its name yet")
                 raise run_guard.RunFolderBusyError(
-                    f"{folder} is being written ({name} is held by {who}): a pack of it would hold half-written "
+                    f"{folder} is being written ({name} is held by {run_guard.describe_holder(path)}): a pack of it would hold half-written "
                     "files. Wait for the run to finish (or stop it: kill <pid>), then pack it. Nothing was written.") from None
         yield
 

@@ -123,7 +123,8 @@ def watch_launcher(interval_s: float = 1.0, grace_s: float = 120.0) -> threading
     return thread
 
 
-def _describe(lock_path: Path) -> str:
+def describe_holder(lock_path: Path) -> str:
+    """Who holds ``lock_path``, as the lock file names it (pid, host, start time, command)."""
     try:
         job = json.loads(lock_path.read_text() or "{}")
     except (OSError, json.JSONDecodeError):
@@ -155,7 +156,7 @@ def run_folder_lock(run_path: str | os.PathLike, *, enabled: bool = True, name: 
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RunFolderBusyError(
-                f"{run_path} is being {doing} ({_describe(lock_path)}). Wait for it to "
+                f"{run_path} is being {doing} ({describe_holder(lock_path)}). Wait for it to "
                 f"finish, stop it (kill <pid>), or use another run folder (run_dir=..., --run-dir)."
             ) from None
         handle.truncate(0)
