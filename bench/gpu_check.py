@@ -4,7 +4,7 @@
 
 1. **data**: notebook 01's stage with the ``gpu`` profile's vocabulary (32,768) over the standard
    library only (``--package-files 0``: throughput does not depend on how much data there is);
-2. **throughput**: the ``gpu`` training profile (the guide's 110M model, micro-batch 8, global
+2. **throughput**: the ``gpu`` training profile (the guide's 110M model, micro-batch 32, global
    batch 64, sequence 1,024) for ``--iters`` iterations under torchrun, in bf16 (``precision
    auto``), with Transformer Engine's layer spec and Apex's fused AdamW when they are installed
    (the NGC container) and megatron-core's local spec and torch's fused AdamW otherwise; tokens/s

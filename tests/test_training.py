@@ -127,7 +127,8 @@ def test_the_flag_table_sets_the_guides_2022_command_beside_todays(tmp_path):
     assert guide_flags == set(megatron_args.GUIDE_2022), "every flag of the guide has a row"
     assert [r["the guide (2022)"] for r in rows if r["change"] == "not used"] == ["--fp16"]  # fp32 on a CPU
     text = megatron_args.shell_command(training_config.profile("cpu", str(tmp_path)), script="pretrain_gpt.py", cpu=True)
-    assert text.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node=1 pretrain_gpt.py \\\n")
+    assert text.startswith("# written for target cpu: no GPU (gloo, megatron-core's local layers, fp32)\n"
+                           "CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node=1 pretrain_gpt.py \\\n")
     assert "    --num-layers 4 \\\n" in text and text.rstrip().endswith("--num-workers 0")
 
 

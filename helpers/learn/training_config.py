@@ -283,7 +283,8 @@ class TrainingConfig:
             raise ValueError(f"lr={self.lr} must be positive (the peak learning rate, e.g. 2e-3)")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr={self.min_lr} must be between 0 and lr={self.lr}")
-        resolve_precision(self.precision)
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):  # the device is checked where the flags are written
+            raise ValueError(f"precision={self.precision!r}: choose auto, fp32, bf16 or fp16")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: choose one of {', '.join(map(repr, RECOMPUTE))}")
         v = self.num_virtual_stages_per_pipeline_rank
@@ -338,7 +339,7 @@ class TrainingConfig:
 PROFILES: dict[str, TrainingConfig] = {
     "cpu": TrainingConfig(),
     "gpu": TrainingConfig(
-        model=MODEL_PROFILES["codeparrot-small"], micro_batch_size=8, global_batch_size=64, train_iters=3000,
+        model=MODEL_PROFILES["codeparrot-small"], micro_batch_size=32, global_batch_size=64, train_iters=3000,
         lr=6e-4, min_lr=6e-5, lr_warmup_iters=300, lr_decay_iters=3000, log_interval=50, eval_interval=500,
         eval_iters=10, save_interval=1000),
     "codeparrot-small": TrainingConfig(
@@ -346,7 +347,7 @@ PROFILES: dict[str, TrainingConfig] = {
         train_iters=150_000, lr=5e-4, min_lr=0.0, lr_warmup_iters=2000, lr_decay_iters=150_000,
         lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
         clip_grad=1.0, seed=1234, log_interval=10, eval_interval=200, eval_iters=10,
-        save_interval=2000, split="969,30,1",
+        save_interval=2000, split="969,30,1", use_distributed_optimizer=True,
     ),
 }
 

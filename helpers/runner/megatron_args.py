@@ -6,6 +6,10 @@ copy of that script, :mod:`helpers.learn.pretrain_gpt`, and the same flags run M
 in the NGC container. :func:`flag_table` sets every flag beside the flag Hugging Face's guide
 used in 2022 and the series' parameter it comes from (notebook 03, section 6).
 
+The implementation flags depend on the machine that runs them, not the one that writes them:
+:func:`target_flags` decides them from a :class:`Target` (GPUs, Transformer Engine, Apex's
+extensions, bf16), probed here (:func:`probe_target`) or named (:data:`TARGETS`, ``--target``).
+
 Sources: the guide's ``pretrain_gpt.py`` command (``GPT_ARGS``, 2022); Megatron-LM
 ``megatron/training/arguments.py`` and ``argument_utils.py`` (``core_v0.19.0``, the flags'
 names and defaults today); ``examples/gpt3/train_gpt3_175b_distributed.sh``
@@ -18,7 +22,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from helpers.learn.training_config import TrainingConfig, resolve_precision
+from helpers.learn.training_config import TrainingConfig
 
 #: The training script, run as a module of this repository (Megatron-LM: ``pretrain_gpt.py``).
 SCRIPT = ("-m", "helpers.learn.pretrain_gpt")
@@ -92,8 +96,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr-warmup-iters", _cfg("lr_warmup_iters"), "lr_warmup_iters", "--lr-warmup-iters"),
     Flag("--weight-decay", _cfg("weight_decay"), "weight_decay (default 0.01)", "--weight-decay"),
     Flag("--adam-beta2", _cfg("adam_beta2"), "adam_beta2", "--adam-beta2"),
-    Flag("--bf16", _switch(lambda cfg: resolve_precision(cfg.precision) == "bf16"), "precision (bf16)", "--fp16"),
-    Flag("--fp16", _switch(lambda cfg: resolve_precision(cfg.precision) == "fp16"), "precision (fp16)", "--fp16"),
     Flag("--log-interval", _cfg("log_interval"), "log_interval", "--log-interval"),
     Flag("--save-interval", lambda cfg: cfg.save_interval or cfg.train_iters, "save_interval (default: at the end)",
          "--save-interval"),
@@ -179,86 +181,192 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-validation-ppl-to-tensorboard", lambda cfg: None, "validation perplexity into TensorBoard"),
 )
 
-#: What a machine without CUDA adds: gloo instead of NCCL, megatron-core's own (torch) layers
-#: instead of Transformer Engine's, weights made on the CPU, and no CUDA-only fusions.
-CPU_FLAGS: tuple[tuple[str, str | None, str], ...] = (
-    ("--distributed-backend", "gloo", "NCCL needs GPUs"),
-    ("--transformer-impl", "local", "Transformer Engine needs GPUs"),
-    ("--use-cpu-initialization", None, "weights made on the CPU (a GPU run initialises on the GPU)"),
-    ("--no-gradient-accumulation-fusion", None, "the fused weight-gradient kernel is Apex's or TE's (CUDA)"),
-    ("--no-persist-layer-norm", None, "the persistent LayerNorm kernel is Apex's (CUDA)"),
-    ("--num-workers", "0", "no DataLoader worker processes: 2 would compete with training for 2 cores"),
-)
-#: What a CPU adds for rotary embeddings (a Llama): megatron-core's fused RoPE is Transformer Engine's.
-CPU_ROPE_FLAG = ("--no-rope-fusion", None, "the fused rotary-embedding kernel is Transformer Engine's (CUDA)")
-#: What a CPU adds for a mixture of experts: the all-gather token dispatcher (Megatron-LM's default, given
-#: explicitly); the all-to-all one copies routing counts to the host on a side CUDA stream and waits on its event
-#: (megatron-core 0.19.2 transformer/moe/token_dispatcher.py:469, 922-950), which a CPU stream does not record.
-CPU_MOE_FLAG = ("--moe-token-dispatcher-type", "allgather", "the all-to-all dispatcher synchronises CUDA streams")
+@dataclass(frozen=True)
+class Target:
+    """The machine a command is written for: what decides its implementation flags.
+
+    Attributes:
+        name: ``"cpu"``, ``"gpu-pip"``, ``"gpu-te"``, ``"gpu-te-apex"`` (:data:`TARGETS`) or ``"this machine"``.
+        gpus: CUDA devices per node (0: a CPU run).
+        transformer_engine: Transformer Engine imports (the NGC container; ``pip install`` has none).
+        apex_gradient_fusion: Apex's ``fused_weight_gradient_mlp_cuda`` imports: megatron-core's
+            ``ColumnParallelLinear`` (the output layer, even with TE) needs it for gradient-accumulation
+            fusion (``megatron/core/tensor_parallel/layers.py``, lines 49-53 and 1070).
+        apex_kernels: Apex's other kernels import (``scaled_masked_softmax_cuda``: the masked-softmax
+            fusion of megatron-core's local attention, ``megatron/core/fusions/fused_softmax.py``).
+        bf16: bf16 in hardware (compute capability 8.0 and later).
+    """
+
+    name: str
+    gpus: int
+    transformer_engine: bool
+    apex_gradient_fusion: bool
+    apex_kernels: bool
+    bf16: bool
+
+    def describe(self) -> str:
+        """One line: ``target gpu-te: 8 GPU(s), Transformer Engine, no Apex extensions, bf16``."""
+        if not self.gpus:
+            return f"target {self.name}: no GPU (gloo, megatron-core's local layers, fp32)"
+        parts = [f"{self.gpus} GPU(s)", "Transformer Engine" if self.transformer_engine else "no Transformer Engine",
+                 "Apex's fused_weight_gradient_mlp_cuda" if self.apex_gradient_fusion else "no Apex gradient fusion",
+                 "bf16" if self.bf16 else "no bf16 (fp16)"]
+        return f"target {self.name}: " + ", ".join(parts)
 
 
-def _cpu_flags(cfg: TrainingConfig) -> tuple[tuple[str, str | None, str], ...]:
-    return CPU_FLAGS + ((CPU_ROPE_FLAG,) if cfg.model.position_embedding_type == "rope" else ()) \
-        + ((CPU_MOE_FLAG,) if cfg.model.num_experts else ())
+#: The machines a command can be written for without being there (``--target``). ``gpu-te`` is the NGC
+#: container as far as it is known without running in it: Transformer Engine; Apex's gradient-fusion
+#: extension is not assumed (``make gpu-smoke`` reports it; ``gpu-te-apex`` when it imports).
+TARGETS: dict[str, Target] = {
+    "cpu": Target("cpu", 0, False, False, False, False),
+    "gpu-pip": Target("gpu-pip", 1, False, False, False, True),
+    "gpu-te": Target("gpu-te", 1, True, False, False, True),
+    "gpu-te-apex": Target("gpu-te-apex", 1, True, True, True, True),
+}
+
+
+def probe_target() -> Target:
+    """The target this process runs on: CUDA devices it sees, TE and Apex's extensions importable, bf16."""
+    import importlib.util
+
+    import torch
+
+    from helpers.learn.model import transformer_engine_available
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    found = lambda module: importlib.util.find_spec(module) is not None  # noqa: E731
+    return Target("this machine", gpus, gpus > 0 and transformer_engine_available(),
+                  gpus > 0 and found("fused_weight_gradient_mlp_cuda"), gpus > 0 and found("scaled_masked_softmax_cuda"),
+                  gpus > 0 and torch.cuda.is_bf16_supported(including_emulation=False))
+
+
+def resolve_target(target: Target | str | None = None, *, cpu: bool | None = None) -> Target:
+    """``target`` as a :class:`Target`: a name of :data:`TARGETS`, or ``None`` to probe this process.
+
+    ``cpu`` is the older spelling: ``True`` is ``"cpu"``, ``False`` is ``"gpu-te"``.
+
+    Raises:
+        ValueError: an unknown name (the message lists :data:`TARGETS`).
+    """
+    if target is None and cpu is not None:
+        target = "cpu" if cpu else "gpu-te"
+    if target is None:
+        return probe_target()
+    if isinstance(target, Target):
+        return target
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is unknown: choose one of {', '.join(TARGETS)} (or None: this machine)")
+    return TARGETS[target]
+
+
+def target_precision(precision: str, target: Target) -> str:
+    """``cfg.precision`` on ``target``: ``"auto"`` is fp32 without a GPU, bf16 where the GPU has it, else fp16.
+
+    Raises:
+        ValueError: an unknown name, or bf16 / fp16 for a target without a GPU.
+    """
+    if precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise ValueError(f"precision={precision!r}: choose auto, fp32, bf16 or fp16")
+    if precision == "auto":
+        return "fp32" if not target.gpus else "bf16" if target.bf16 else "fp16"
+    if precision != "fp32" and not target.gpus:
+        raise ValueError(f"precision={precision!r} needs a CUDA GPU, and {target.describe()}; use 'fp32' or 'auto'")
+    return precision
+
+
+def target_flags(cfg: TrainingConfig, target: Target) -> list[tuple[str, str | None, str]]:
+    """The implementation flags ``target`` needs for ``cfg``: ``(flag, value or None, why)``, in order.
+
+    Each flag that turns off a fusion names the kernel that is missing. Sources: Megatron-LM
+    ``megatron/training/arguments.py`` (0.19.2), ``megatron/core/tensor_parallel/layers.py``,
+    ``megatron/core/models/gpt/gpt_layer_specs.py``; Megatron-LM's ``examples/gpt3`` scripts for the speed flags.
+    """
+    rope, moe = cfg.model.position_embedding_type == "rope", bool(cfg.model.num_experts)
+    precision = target_precision(cfg.precision, target)
+    out: list[tuple[str, str | None, str]] = []
+    if precision in ("bf16", "fp16"):
+        out.append((f"--{precision}", None, f"precision {cfg.precision!r}: {precision} on {target.name}"))
+    if not target.gpus:
+        out += [("--distributed-backend", "gloo", "NCCL needs GPUs"),
+                ("--transformer-impl", "local", "Transformer Engine needs GPUs"),
+                ("--use-cpu-initialization", None, "weights made on the CPU (a GPU run initialises on the GPU)"),
+                ("--no-gradient-accumulation-fusion", None, "the fused weight-gradient kernel is Apex's or TE's (CUDA)"),
+                ("--no-persist-layer-norm", None, "the persistent LayerNorm kernel is Apex's (CUDA)"),
+                ("--num-workers", "0", "no DataLoader worker processes: 2 would compete with training for 2 cores")]
+        out += [("--no-rope-fusion", None, "the fused rotary-embedding kernel is Transformer Engine's (CUDA)")] if rope else []
+        out += [("--moe-token-dispatcher-type", "allgather", "the all-to-all dispatcher synchronises CUDA streams "
+                 "(megatron-core 0.19.2 transformer/moe/token_dispatcher.py:469, 922-950)")] if moe else []
+        return out
+    te = target.transformer_engine and cfg.layer_spec != "local"
+    out.append(("--transformer-impl", "transformer_engine" if te else "local",
+                "Transformer Engine's fused layers and attention" if te else
+                "megatron-core's own layers: " + ("layer_spec='local'" if target.transformer_engine
+                                                  else "Transformer Engine is not installed")))
+    if not target.apex_gradient_fusion:
+        out.append(("--no-gradient-accumulation-fusion", None,
+                    "Apex's fused_weight_gradient_mlp_cuda is missing: the output layer would raise"))
+    if not te and not target.apex_kernels:
+        out += [("--no-masked-softmax-fusion", None, "Apex's scaled_masked_softmax_cuda is missing"),
+                ("--no-persist-layer-norm", None, "the persistent LayerNorm kernel is Apex's")]
+    if rope and not te:
+        out.append(("--no-rope-fusion", None, "the fused rotary-embedding kernel is Transformer Engine's"))
+    out.append(("--cross-entropy-loss-fusion", None, "the logits' softmax and loss in one fused kernel"))
+    if cfg.use_distributed_optimizer:
+        out += [("--overlap-grad-reduce", None, "the gradients' reduce-scatter overlaps backward"),
+                ("--overlap-param-gather", None, "the weights' all-gather overlaps the next forward")]
+    return out
 
 
 def _text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def arguments(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[str]:
-    """Megatron-LM's flags for ``cfg``, in the order of :data:`FLAGS`, then :data:`CPU_FLAGS`.
+def arguments(cfg: TrainingConfig, *, target: Target | str | None = None, cpu: bool | None = None) -> list[str]:
+    """Megatron-LM's flags for ``cfg`` on ``target``: :data:`FLAGS` in order, then :func:`target_flags`.
 
     Args:
         cfg: the run.
-        cpu: add :data:`CPU_FLAGS`; default: when torch sees no CUDA device. ``False`` writes
-            the GPU command (Transformer Engine and Apex as in the NGC container; megatron-core's
-            local layers with ``cfg.layer_spec="local"``).
+        target: the machine that will run the flags (:data:`TARGETS` name or :class:`Target`);
+            ``None``: this process's devices and libraries (:func:`probe_target`).
+        cpu: the older spelling of ``target``: ``True`` = ``"cpu"``, ``False`` = ``"gpu-te"``.
 
     Returns:
         ``["--num-layers", "4", ...]``: argv for ``pretrain_gpt.py``.
 
     Raises:
-        ValueError: a precision this machine cannot run (see ``resolve_precision``).
+        ValueError: an unknown target, or a precision the target cannot run.
     """
-    import torch
-
-    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    target = resolve_target(target, cpu=cpu)
     out: list[str] = []
     for f in FLAGS:
         value = f.value(cfg)
         if value is False:
             continue
         out += [f.flag] if value is None else [f.flag, _text(value)]
-    if cpu:
-        for flag, value, _ in _cpu_flags(cfg):
-            out += [flag] if value is None else [flag, value]
-    else:
-        from helpers.learn.model import transformer_engine_available
-
-        local = cfg.layer_spec == "local" or not transformer_engine_available()
-        out += ["--transformer-impl", "local"] if cfg.layer_spec == "local" else []
-        out += ["--no-rope-fusion"] if local and cfg.model.position_embedding_type == "rope" else []  # fused RoPE is TE's
+    for flag, value, _ in target_flags(cfg, target):
+        out += [flag] if value is None else [flag, value]
     return out
 
 
-def command(cfg: TrainingConfig, *, nproc_per_node: int = 1, cpu: bool | None = None) -> list[str]:
+def command(cfg: TrainingConfig, *, nproc_per_node: int = 1, target: Target | str | None = None,
+            cpu: bool | None = None) -> list[str]:
     """``torchrun --nproc-per-node N -m helpers.learn.pretrain_gpt <flags>`` for ``cfg`` (run it with :data:`ENV`).
 
     Megatron-LM's own script takes the same flags: replace ``-m helpers.learn.pretrain_gpt`` by ``pretrain_gpt.py``.
     """
-    return ["torchrun", f"--nproc-per-node={nproc_per_node}", *SCRIPT, *arguments(cfg, cpu=cpu)]
+    return ["torchrun", f"--nproc-per-node={nproc_per_node}", *SCRIPT, *arguments(cfg, target=target, cpu=cpu)]
 
 
-def shell_command(cfg: TrainingConfig, *, nproc_per_node: int = 1, cpu: bool | None = None,
-                  script: str | None = None) -> str:
-    """:func:`command` as a shell line a learner can paste, one flag per line, with :data:`ENV` in front.
+def shell_command(cfg: TrainingConfig, *, nproc_per_node: int = 1, target: Target | str | None = None,
+                  cpu: bool | None = None, script: str | None = None) -> str:
+    """:func:`command` as a shell line a learner can paste: a comment naming the target, then one flag per line.
 
     Args:
         script: what to run instead of ``-m helpers.learn.pretrain_gpt`` (``"pretrain_gpt.py"`` in a
             Megatron-LM checkout).
     """
-    words = command(cfg, nproc_per_node=nproc_per_node, cpu=cpu)
+    resolved = resolve_target(target, cpu=cpu)
+    words = command(cfg, nproc_per_node=nproc_per_node, target=resolved)
     head = words[:2] + ([script] if script else list(SCRIPT))
     flags, lines = words[2 + len(SCRIPT):], []
     for word in flags:
@@ -267,20 +375,19 @@ def shell_command(cfg: TrainingConfig, *, nproc_per_node: int = 1, cpu: bool | N
         else:
             lines[-1] += " " + shlex.quote(word)
     env = " ".join(f"{k}={v}" for k, v in ENV.items())
-    return f"{env} {' '.join(head)} \\\n    " + " \\\n    ".join(lines)
+    return f"# written for {resolved.describe()}\n{env} {' '.join(head)} \\\n    " + " \\\n    ".join(lines)
 
 
-def flag_table(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[dict[str, str]]:
+def flag_table(cfg: TrainingConfig, *, target: Target | str | None = None, cpu: bool | None = None) -> list[dict[str, str]]:
     """Every flag of :func:`arguments` beside the guide's 2022 flag and the series' parameter.
 
     Returns:
         One row per flag: ``{"today", "value", "the guide (2022)", "change", "from the series"}``;
-        ``change`` is ``same``, ``renamed``, ``replaced``, ``new`` or ``CPU only``. The guide's flags
-        that have no row today are added at the end as ``removed``.
+        ``change`` is ``same``, ``replaced``, ``new``, ``CPU only`` or ``GPU: <target>`` (the target's
+        implementation flags, :func:`target_flags`). The guide's flags that have no row today are
+        added at the end as ``not used``.
     """
-    import torch
-
-    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    target = resolve_target(target, cpu=cpu)
     rows, used = [], set()
     for f in FLAGS:
         value = f.value(cfg)
@@ -296,12 +403,16 @@ def flag_table(cfg: TrainingConfig, *, cpu: bool | None = None) -> list[dict[str
             used.add(f.guide)
         rows.append({"today": f.flag, "value": "" if value is None else _text(value), "the guide (2022)": guide,
                      "change": change, "from the series": f.source})
-    if cpu:
-        for flag, value, why in _cpu_flags(cfg):
-            rows.append({"today": flag, "value": value or "", "the guide (2022)": "", "change": "CPU only",
-                         "from the series": why})
+    for flag, value, why in target_flags(cfg, target):
+        if flag in ("--bf16", "--fp16"):
+            used.add("--fp16")
+            rows.append({"today": flag, "value": "", "the guide (2022)": "--fp16", "change": "replaced" if flag == "--bf16"
+                         else "same", "from the series": why})
+            continue
+        rows.append({"today": flag, "value": value or "", "the guide (2022)": "",
+                     "change": "CPU only" if not target.gpus else f"GPU: {target.name}", "from the series": why})
     for flag in GUIDE_2022:
-        if flag not in used or (flag == "--fp16" and not any(r["today"] in ("--fp16", "--bf16") for r in rows)):
+        if flag not in used:
             rows.append({"today": "", "value": "", "the guide (2022)": flag, "change": "not used",
                          "from the series": REMOVED_WHY.get(flag, "")})
     return rows
@@ -325,8 +436,8 @@ def optimizer_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m helpers.runner.megatron_args [RUN_DIR] [--gpu] [--script pretrain_gpt.py] [--nproc N]``: print the
-    command of a run (its ``run.json``, written by ``helpers.runner.launch.train``).
+    """``python -m helpers.runner.megatron_args [RUN_DIR] [--target NAME | --gpu] [--script pretrain_gpt.py] [--nproc N]``:
+    print the command of a run (its ``run.json``, written by ``helpers.runner.launch.train``) for a target machine.
 
     Returns:
         0, or 2 when the folder holds no ``run.json`` (the message says which notebook writes it).
@@ -338,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers.runner.megatron_args",
                                      description="print Megatron-LM's command line for a run folder")
     parser.add_argument("run_dir", nargs="?", default="runs/latest", help="a run folder (default runs/latest)")
-    parser.add_argument("--gpu", action="store_true", help="the GPU command (no CPU-only flags)")
+    parser.add_argument("--target", choices=list(TARGETS), default=None,
+                        help="the machine that will run the command (default: this machine, probed)")
+    parser.add_argument("--gpu", action="store_true", help="the same as --target gpu-te (the NGC container)")
     parser.add_argument("--script", default=None, help="instead of -m helpers.learn.pretrain_gpt, e.g. pretrain_gpt.py")
     parser.add_argument("--nproc", type=int, default=1, help="processes (--nproc-per-node)")
     args = parser.parse_args(argv)
@@ -351,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainingConfig.from_json(config)
     if shutil.which("torchrun") is None:  # the command names torchrun, which lives in the project's environment
         print(f"# torchrun is not on PATH: activate the environment first (source {Path(sys.executable).parent}/activate)")
-    print(shell_command(cfg, nproc_per_node=args.nproc, cpu=False if args.gpu else None, script=args.script))
+    target = args.target or ("gpu-te" if args.gpu else None)
+    print(shell_command(cfg, nproc_per_node=args.nproc, target=target, script=args.script))
     return 0
 
 
