@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from bench import training as bench_train
 from helpers.runner import preflight
 
 pytestmark = pytest.mark.trains
+ROOT = Path(__file__).resolve().parents[1]
 
 ALLOC = "import numpy as np, time; a = np.ones({n}, dtype=np.uint8); time.sleep({s})"
 
@@ -332,15 +334,47 @@ def test_gpu_check_says_it_could_not_run_without_cuda(tmp_path, capsys):
         assert bad[0] in capsys.readouterr().err
 
 
-def test_gpu_check_runs_end_to_end_with_a_tiny_model_on_cpu(tmp_path, capsys):
-    """--cpu-smoke: data, training, TP=2 against TP=1 and conversion, with the real code paths."""
-    from bench import gpu_check
-
-    assert gpu_check.main(["--cpu-smoke", "--iters", "6", "--run-dir", str(tmp_path / "g")]) == 0
-    result = json.loads((tmp_path / "g" / "gpu_check.json").read_text())
+def test_gpu_smoke_runs_every_step_with_a_tiny_model_on_cpu(tmp_path):
+    """make gpu-smoke's script with --cpu-smoke: the stack, notebook 00, bench.gpu_check (data, training, TP=2
+    against TP=1, conversion), the way back with training on, and DP=2 against one process, with the real code paths."""
+    record = tmp_path / "record.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_smoke", "--cpu-smoke", "--iters", "6", "--budget-s", "1200",
+                           "--run-dir", str(tmp_path / "g"), "--record", str(record)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    r = json.loads(record.read_text())
+    assert [n for n, s in r["steps"].items() if s["ok"]] == ["stack", "notebook_00", "training_and_conversion",
+                                                             "way_back", "layout"]
+    stack = r["steps"]["stack"]["result"]
+    assert stack["gpus"] == 0 and stack["fused_weight_gradient_mlp_cuda"] is False and "target this machine" in stack["target"]
+    result = r["gpu_check"]
     assert result["iterations"] == 6 and result["tokens_per_s"] > 0 and result["precision"] == "fp32"
     assert result["tensor_parallel"]["max_logit_difference"] < 1e-4 and result["tensor_parallel"]["argmax_agreement"] == 1.0
     conv = result["conversion"]
     assert conv["max_logit_difference"] < 1e-4 and conv["greedy_tokens_equal"] and conv["greedy_tokens"] > 0
     assert abs(conv["validation"]["hf_loss"] - conv["validation"]["megatron_loss_real_vocab"]) < 1e-5
-    assert "| conversion: greedy tokens equal | True |" in capsys.readouterr().out
+    assert r["steps"]["way_back"]["result"]["iterations"] == 10
+    layout = r["steps"]["layout"]["result"]
+    assert len(layout["losses_2"]) == 6 and layout["max_difference"] < 1e-4  # DP=2 trains like one process
+    assert "every step passed" in proc.stdout
+
+
+def test_gpu_smoke_dry_run_prints_the_plan_and_imports_nothing_heavy(tmp_path):
+    code = ("import sys; from bench import gpu_smoke; rc = gpu_smoke.main(['--dry-run', '--record', sys.argv[1]]); "
+            "print('heavy:', sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "r.json")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "make gpu-smoke: 5 steps, at most 300 s in all" in proc.stdout and "dry run: nothing was started" in proc.stdout
+    assert "heavy: []" in proc.stdout and not (tmp_path / "r.json").exists()
+    make = subprocess.run(["make", "-s", "gpu-smoke", "DRY_RUN=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert make.returncode == 0 and "5. layout" in make.stdout, make.stderr
+
+
+@pytest.mark.skipif(bench_train.cuda_available(), reason="checks the message printed without CUDA")
+def test_gpu_smoke_says_it_could_not_run_without_cuda(tmp_path, capsys):
+    from bench import gpu_smoke
+
+    assert gpu_smoke.main(["--run-dir", str(tmp_path / "g"), "--record", str(tmp_path / "r.json")]) == 2
+    assert "could not run: CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "g").exists() and not (tmp_path / "r.json").exists()

@@ -332,8 +332,8 @@ class TrainingConfig:
 
 
 #: Training profiles. ``cpu``: notebook 03's defaults, about 3 minutes on 2 cores. ``gpu``: the
-#: guide's 110M model on one GPU for 3,000 iterations of 64 x 1,024 tokens (197M tokens; about
-#: 8 minutes at the 400k tokens/s the guide's model should reach in bf16 on one H100/H200),
+#: guide's 110M model on one GPU for 3,000 iterations of 64 x 1,024 tokens (197M tokens; unmeasured:
+#: 8-13 minutes at an estimated 250k-400k tokens/s in bf16 on one H100, README "On a GPU machine"),
 #: GPT-3 Small's learning rate (Brown et al. 2020, table 2.1). ``codeparrot-small``: the
 #: CodeParrot guide's exact hyperparameters (see shared/notes/reference-recipe.md), 12 hours on 8 A100s.
 PROFILES: dict[str, TrainingConfig] = {
