@@ -7,11 +7,17 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check check wheelhouse book solutions pack unpack container-check
+.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check gpu-smoke check wheelhouse book solutions pack unpack container-check
+
+# NGC: the route of make install. Empty = detected (tools/ngc_requirements.py route: NVIDIA_PYTORCH_VERSION,
+# which NVIDIA's NGC PyTorch containers set); NGC=1 forces the container's packages, NGC=0 PyPI's.
+NGC ?=
 
 # Runs every time, before anything is installed: an existing .venv must be Python 3.12/3.13
-# (one left from the 3.11 series is refused, not touched); a missing one is created with the
-# interpreter tools/find-python picks, or make stops with its message and creates nothing.
+# (one left from the 3.11 series is refused, not touched) and fit the route (made over the container's
+# site-packages inside NGC, not outside); a missing one is created with the interpreter tools/find-python
+# picks, or make stops with its message and creates nothing. Inside the NGC container the venv sees the
+# container's torch, Transformer Engine and Apex (--system-site-packages) and uses its pip (--without-pip).
 venv-python:
 	@if [ -e $(VENV) ]; then \
 	    v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null); \
@@ -19,10 +25,17 @@ venv-python:
 	        if [ -n "$$v" ]; then made="Python $$v"; else made="an interpreter that no longer runs ($(PY))"; fi; \
 	        echo "$(VENV) was made with $$made; the series needs 3.12 or 3.13 (megatron-core 0.19.2)." >&2; \
 	        echo "Remove it and rerun: rm -rf $(VENV) && make $(MAKECMDGOALS)" >&2; exit 1;; esac; \
+	    NGC="$(NGC)" $(PY) tools/ngc_requirements.py route --venv $(VENV) >/dev/null || exit 1; \
 	else \
 	    py=$$(PYTHON="$(PYTHON)" tools/find-python) || exit 1; \
-	    echo "Creating $(VENV) with $$py ($$($$py --version))"; \
-	    $$py -m venv $(VENV); \
+	    route=$$(NGC="$(NGC)" $$py tools/ngc_requirements.py route) || exit 1; \
+	    if [ "$$route" = ngc ]; then \
+	        echo "Creating $(VENV) with $$py ($$($$py --version)) over the container's site-packages"; \
+	        $$py -m venv --system-site-packages --without-pip $(VENV) || exit 1; \
+	    else \
+	        echo "Creating $(VENV) with $$py ($$($$py --version))"; \
+	        $$py -m venv $(VENV) || exit 1; \
+	    fi; \
 	fi
 
 # WHEELHOUSE: a folder of every pinned wheel (make wheelhouse); when it exists, or with OFFLINE=1,
@@ -33,8 +46,16 @@ OFFLINE ?=
 # (torch's and megatron-core's Linux wheels are manylinux_2_28; megatron-core has no macOS wheel)
 PLATFORMS ?=
 
+# The NGC route installs only the pins the container lacks (tools/ngc_requirements.py plan): never torch nor
+# anything its PIP_CONSTRAINT file pins, with its torch / Transformer Engine / Apex held at their versions (pip -c).
 $(VENV)/.installed: requirements.txt pyproject.toml | venv-python
-	@if [ -d $(WHEELHOUSE) ] || [ -n "$(OFFLINE)" ]; then \
+	@if [ "$$(NGC="$(NGC)" $(PY) tools/ngc_requirements.py route 2>/dev/null)" = ngc ]; then \
+	    $(PY) tools/ngc_requirements.py plan requirements.txt --out-dir $(VENV) || exit 1; \
+	    if [ -d $(WHEELHOUSE) ] || [ -n "$(OFFLINE)" ]; then links="--no-index --find-links $(WHEELHOUSE)"; else links=; fi; \
+	    $(PY) -m pip install --disable-pip-version-check -q $$links -c $(VENV)/constraints-ngc.txt \
+	        -r $(VENV)/requirements-ngc.txt || exit 1; \
+	    $(PY) -m pip install --disable-pip-version-check -q --no-deps -e . || exit 1; \
+	elif [ -d $(WHEELHOUSE) ] || [ -n "$(OFFLINE)" ]; then \
 	    echo "Installing from $(WHEELHOUSE)/ without a network (pip --no-index)"; \
 	    $(PY) tools/wheelhouse.py install --python $(PY) --wheelhouse $(WHEELHOUSE) || exit 1; \
 	else \
@@ -62,7 +83,7 @@ test-quick: install
 	$(PY) -m pytest -m "not slow and not trains" $(PYTEST_ARGS)
 
 lab: install
-	$(VENV)/bin/jupyter lab notebooks/
+	$(PY) -m jupyter lab notebooks/
 
 RUN ?= runs/latest
 # The exercises' solutions (notebooks/solutions/) against a run (default runs/latest), executed into
@@ -104,18 +125,21 @@ check:
 
 # On a machine with an NVIDIA GPU, a few minutes: the gpu profile's throughput and MFU in bf16,
 # TP=2 against TP=1 (two GPUs), conversion exactness on the GPU; one table (bench/gpu_check.py).
-# Inside the NGC container: make install-ngc, then python -m bench.gpu_check.
+# Inside the NGC container the same command uses its torch, TE and Apex (make install keeps them).
 gpu-check: install
 	$(PY) -m bench.gpu_check $(ARGS)
 
-# Inside NVIDIA's NGC PyTorch container (26.09: Python 3.12): keep the container's torch (and its
-# Apex / Transformer Engine builds) and every package its pip constraint file (PIP_CONSTRAINT)
-# pins; install the rest of the same pins into the container's Python.
+# The GPU path in one prepared script of at most 5 minutes on one GPU (bench/gpu_smoke.py): the stack, notebook 00,
+# the gpu profile's launch (tokens/s, MFU), conversion with 06's proofs, the way back, a 2-process layout; writes
+# data/measured_gpu_run.json. DRY_RUN=1 prints the plan on any machine (nothing is installed or started).
+DRY_RUN ?=
+gpu-smoke: $(if $(DRY_RUN),venv-python,install)
+	$(PY) -m bench.gpu_smoke $(if $(DRY_RUN),--dry-run) $(ARGS)
+
+# Inside NVIDIA's NGC PyTorch container (26.09: Python 3.12) make install already takes the NGC route
+# (.venv over the container's torch, Apex and Transformer Engine); install-ngc forces it (NGC=1).
 install-ngc:
-	@PYTHON=python tools/find-python >/dev/null
-	python tools/ngc_requirements.py requirements.txt > /tmp/requirements-ngc.txt
-	python -m pip install -r /tmp/requirements-ngc.txt
-	python -m pip install --no-deps -e .
+	@$(MAKE) --no-print-directory install NGC=1
 
 clean-runs:
 	rm -rf runs/

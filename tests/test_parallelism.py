@@ -293,6 +293,31 @@ def test_sbatch_script_runs_megatron_lms_loop_with_its_flags(tmp_path):
                  "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"):
         assert line in script, line
     assert "--distributed-backend" not in script and "--use-cpu-initialization" not in script  # GPU flags only
+    # the bare NGC image lacks megatron-core: make install once, then the .venv over the container's torch
+    assert "srun --nodes=1 --ntasks=1 --container-image=nvcr.io/nvidia/pytorch:26.09-py3" in script
+    assert " make install  #" in script and ".venv/bin/python -m torch.distributed.run \\\n" in script
+    assert "docker build -t <registry>/megatron-gpt-notebooks ." in script
+
+
+def test_sbatch_script_runs_the_projects_image_and_megatron_lms_own_script():
+    plan = launch_plans.launch_plan(Layout(1, 1, 8), ["helpers.learn.pretrain_gpt", "--num-layers", "12"], master_port=1)
+    plain = launch_plans.sbatch_script(plan)
+    assert "\nsrun torchrun \\\n    --nnodes=1 \\\n" in plain and "make install  #" not in plain  # the cluster's environment
+    image = launch_plans.sbatch_script(plan, container_image="reg.example/megatron-gpt-notebooks",
+                                       script="Megatron-LM/pretrain_gpt.py")
+    assert launch_plans.IMAGE_PYTHON == "/opt/venv/bin/python"
+    assert "--container-image=reg.example/megatron-gpt-notebooks" in image and "make install  #" not in image
+    assert "/opt/venv/bin/python -m torch.distributed.run \\\n" in image
+    assert image.endswith("\n    Megatron-LM/pretrain_gpt.py --num-layers 12\n")
+    assert ("[ -d Megatron-LM ] || git clone --depth 1 --branch core_v0.19.0 "
+            "https://github.com/NVIDIA/Megatron-LM.git Megatron-LM\n") in image
+    assert '[ "$(git -C Megatron-LM describe --tags --exact-match)" = core_v0.19.0 ] ||' in image
+    here = launch_plans.sbatch_script(plan, script="pretrain_gpt.py", megatron_lm_tag="core_v0.19.1")
+    assert "git clone" not in here and '[ "$(git -C . describe --tags --exact-match)" = core_v0.19.1 ]' in here
+    with pytest.raises(ValueError, match="script=''"):
+        launch_plans.sbatch_script(plan, script=" ")
+    with pytest.raises(ValueError, match="megatron_lm_tag is empty"):
+        launch_plans.sbatch_script(plan, script="Megatron-LM/pretrain_gpt.py", megatron_lm_tag="")
 
 
 def _run(name, losses, wall=10.0):

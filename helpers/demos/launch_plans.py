@@ -14,6 +14,7 @@ Sources: PyTorch "torchrun (Elastic Launch)" (static and c10d rendezvous); SLURM
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 import sys
 import warnings
@@ -107,20 +108,50 @@ def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc
     return LaunchPlan(layout, nnodes, nproc_per_node, master_addr, int(port), tuple(target))
 
 
+#: The Python of the project's image: the Dockerfile's ``VENV`` (a venv over the NGC container's torch).
+IMAGE_PYTHON = "/opt/venv/bin/python"
+#: NVIDIA's bare PyTorch images: torch, Apex and Transformer Engine, but no megatron-core or transformers.
+NGC_PYTORCH = "nvcr.io/nvidia/pytorch:"
+#: The Megatron-LM tag of the installed megatron-core (0.19.x), whose ``pretrain_gpt.py`` takes these flags.
+MEGATRON_LM_TAG = "core_v0.19.0"
+MEGATRON_LM_URL = "https://github.com/NVIDIA/Megatron-LM.git"
+
+
 def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limit: str = "24:00:00",
                   partition: str | None = None, container_image: str | None = None,
-                  workdir: str = "$SLURM_SUBMIT_DIR", rdzv_port: int = 29500) -> str:
+                  workdir: str = "$SLURM_SUBMIT_DIR", rdzv_port: int = 29500, script: str | None = None,
+                  megatron_lm_tag: str = MEGATRON_LM_TAG) -> str:
     """A SLURM batch script that starts ``plan`` with one torchrun per node.
 
     ``srun`` runs one task per node; every torchrun meets the others through the c10d
     rendezvous on the first node of the allocation (``--rdzv-backend c10d --rdzv-endpoint
-    head:port --rdzv-id $SLURM_JOB_ID``), so no node needs its rank written in. With
-    ``container_image`` the tasks run inside it (pyxis/enroot ``--container-image``, as on
-    NVIDIA's clusters).
+    head:port --rdzv-id $SLURM_JOB_ID``), so no node needs its rank written in.
+
+    Args:
+        container_image: run the tasks in it (pyxis/enroot ``--container-image``). The project's image
+            (``docker build -t <registry>/megatron-gpt-notebooks . && docker push ...``: the repository's
+            ``Dockerfile``, NGC PyTorch plus ``make install``) runs :data:`IMAGE_PYTHON`. A bare
+            ``nvcr.io/nvidia/pytorch`` image lacks megatron-core and transformers: the script first runs
+            ``make install`` in it once (``.venv`` in ``workdir``, a network on the node) and uses ``.venv``.
+            None: the cluster's own environment, ``torchrun`` on its PATH.
+        workdir: the repository's folder on a file system every node mounts.
+        script: None runs the plan's module (``-m helpers.learn.pretrain_gpt``); a path such as
+            ``"Megatron-LM/pretrain_gpt.py"`` runs Megatron-LM's own script with the same flags, from a
+            checkout at ``megatron_lm_tag`` (cloned when its folder is missing, refused at another commit).
 
     Returns:
         The script text (submit it with ``sbatch``).
+
+    Raises:
+        ValueError: ``script`` is empty, or ``megatron_lm_tag`` is empty while ``script`` is given.
+
+    Source: pyxis ``srun --container-image``; Megatron-LM ``examples/gpt3/train_gpt3_175b_distributed.sh``.
     """
+    if script is not None and not script.strip():
+        raise ValueError("script='' names no file: leave it None for -m helpers.learn.pretrain_gpt, or give "
+                         "Megatron-LM's, e.g. script='Megatron-LM/pretrain_gpt.py'")
+    if script is not None and not megatron_lm_tag:
+        raise ValueError(f"megatron_lm_tag is empty: the checkout of {script} must be pinned, e.g. {MEGATRON_LM_TAG!r}")
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
@@ -136,6 +167,9 @@ def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limi
         f"#SBATCH --output={job_name}-%j.out",
         "",
         f"# {plan.layout.label}: world size {plan.layout.world_size} = {plan.nnodes} nodes x {plan.nproc_per_node} GPUs",
+        "# Packages: the project's image (the repository's Dockerfile: NGC PyTorch + make install), pushed where",
+        "# the nodes pull from: docker build -t <registry>/megatron-gpt-notebooks . && docker push <registry>/megatron-gpt-notebooks",
+        "# and sbatch_script(..., container_image=\"<registry>/megatron-gpt-notebooks\"); without an image: make install here.",
         "set -euo pipefail",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export OMP_NUM_THREADS=1",
@@ -143,11 +177,28 @@ def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limi
         f"cd {workdir}",
         "",
     ]
-    container = f" --container-image={container_image} --container-mounts={workdir}:{workdir}" if container_image else ""
+    container = (f" --container-image={container_image} --container-mounts={workdir}:{workdir}"
+                 f" --container-workdir={workdir}") if container_image else ""
+    if not container_image:
+        launcher = "torchrun"
+    elif container_image.startswith(NGC_PYTORCH):
+        lines.append(f"srun --nodes=1 --ntasks=1{container} make install  # the bare NGC image: .venv over its torch")
+        launcher = ".venv/bin/python -m torch.distributed.run"
+    else:
+        launcher = f"{IMAGE_PYTHON} -m torch.distributed.run"
+    if script is None:
+        program = "-m " + shlex.join(plan.target)
+    else:
+        checkout = posixpath.dirname(script) or "."
+        if checkout != ".":
+            lines.append(f"[ -d {checkout} ] || git clone --depth 1 --branch {megatron_lm_tag} {MEGATRON_LM_URL} {checkout}")
+        lines.append(f'[ "$(git -C {checkout} describe --tags --exact-match)" = {megatron_lm_tag} ] || '
+                     f'{{ echo "{checkout} is not at {megatron_lm_tag}: git -C {checkout} checkout {megatron_lm_tag}" >&2; exit 1; }}')
+        program = shlex.join([script, *plan.target[1:]])
     torchrun = [
-        "torchrun", f"--nnodes={plan.nnodes}", f"--nproc_per_node={plan.nproc_per_node}",
+        launcher, f"--nnodes={plan.nnodes}", f"--nproc_per_node={plan.nproc_per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint=$HEAD_NODE:{rdzv_port}", "--rdzv_id=$SLURM_JOB_ID",
-        "-m " + shlex.join(plan.target),
+        program,
     ]
     lines.append(f"srun{container} " + " \\\n    ".join(torchrun))
     return "\n".join(lines) + "\n"

@@ -35,7 +35,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "02_data_loader": {"seq_length": 1024, "global_batch_size": 64},
         "03_training": {  # the guide's GPT-2 (the cpu profile's Llama was chosen for a CPU's few minutes)
             "architecture": "gpt2", "num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024, "dropout": 0.1,
-            "micro_batch_size": 8, "global_batch_size": 64, "train_iters": 3000, "lr": 6e-4, "min_lr": 6e-5,
+            "micro_batch_size": 32, "global_batch_size": 64, "train_iters": 3000, "lr": 6e-4, "min_lr": 6e-5,
             "lr_warmup_iters": 300, "log_interval": 50, "eval_interval": 500, "eval_iters": 10, "save_interval": 1000,
             "timeout_s": 7200,
         },
