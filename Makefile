@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install tutorial test test-quick lab clean-runs install-ngc venv-python gpu-check gpu-smoke check wheelhouse book solutions pack unpack container-check
+.PHONY: install tutorial test test-quick test-gpu lab clean-runs install-ngc venv-python gpu-check gpu-smoke check wheelhouse book solutions pack unpack container-check
 
 # NGC: the route of make install. Empty = detected (tools/ngc_requirements.py route: NVIDIA_PYTORCH_VERSION,
 # which NVIDIA's NGC PyTorch containers set); NGC=1 forces the container's packages, NGC=0 PyPI's.
@@ -81,6 +81,10 @@ test: install
 # The contributors' quick tier: the unit tests, without the notebooks end to end and the training jobs.
 test-quick: install
 	$(PY) -m pytest -m "not slow and not trains" $(PYTEST_ARGS)
+
+# The GPU tests alone, with the GPUs visible (every other session hides them: tests/conftest.py).
+test-gpu: install
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 lab: install
 	$(PY) -m jupyter lab notebooks/

@@ -75,7 +75,7 @@ def tensor_parallel_check(checkpoint_dir: Path, tokens, reference, cpu: bool) ->
 
 
 def conversion_check(run: Path, cfg) -> tuple[dict[str, Any], Any, Any]:
-    """Convert the checkpoint and compare transformers with megatron-core on the GPU, both fp32.
+    """Convert the checkpoint and compare transformers with megatron-core on the GPU, both IEEE fp32 (TF32 off).
 
     Returns:
         ``(figures, tokens, megatron-core logits)``: the figures, and the validation tokens with
@@ -87,23 +87,25 @@ def conversion_check(run: Path, cfg) -> tuple[dict[str, Any], Any, Any]:
     from helpers.learn import checkpointing, conversion, tokenizer
     from helpers.demos import conversion_proofs as proofs
     from helpers.demos import generation
+    from helpers.support import environment
 
     conversion.convert_to_hf(cfg.checkpoint_path, run / "hf_model", overwrite=True)
     gpt, _ = checkpointing.load_model(cfg.checkpoint_path)
     device = next(gpt.parameters()).device
     hf = GPT2LMHeadModel.from_pretrained(run / "hf_model", dtype=torch.float32).to(device).eval()
     tokens = proofs.validation_tokens(run, 2)
-    with torch.no_grad():
+    with torch.no_grad(), environment.ieee_fp32(device) as arithmetic:  # TF32 off: 06's proofs at 1e-4
         reference, converted = proofs.megatron_logits(gpt, tokens), proofs.hf_logits(hf, tokens)
         logits = proofs.compare_logits(reference, converted)
-    loss = proofs.compare_validation_loss(run, hf, gpt)
+        loss = proofs.compare_validation_loss(run, hf, gpt)
     tok = tokenizer.load_tokenizer(cfg.tokenizer_path)
     prompt = tok.encode("import os\n\n\ndef main():\n    ")
     mc = generation.greedy_generate(gpt, prompt, max_new_tokens=GREEDY_TOKENS, eod_id=tok.eos_token_id)[len(prompt):]
     hf_ids = generation.greedy_generate_hf(hf, prompt, GREEDY_TOKENS)
     return ({"max_logit_difference": logits.max_abs_diff, "argmax_agreement": logits.argmax_agreement,
              "validation": {k: v for k, v in vars(loss).items() if isinstance(v, (int, float))},
-             "greedy_tokens_equal": mc == hf_ids, "greedy_tokens": len(mc), "device": str(device)}, tokens,
+             "greedy_tokens_equal": mc == hf_ids, "greedy_tokens": len(mc), "device": str(device),
+             "arithmetic": arithmetic}, tokens,
             reference[..., :converted.shape[-1]])
 
 

@@ -29,6 +29,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from helpers.support import environment  # the standard library only, at import
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "data" / "measured_gpu_run.json"
 
@@ -49,6 +51,7 @@ print(json.dumps({
     "scaled_masked_softmax_cuda": found("scaled_masked_softmax_cuda"),
     "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32,
     "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    "tf32_overrides": {k: os.environ.get(k) for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")},
     "pip_constraint": constraint, "pip_constraint_exists": bool(constraint and os.path.isfile(constraint)),
     "ngc": os.environ.get("NVIDIA_PYTORCH_VERSION"), "target": megatron_args.probe_target().describe(),
 }))
@@ -100,6 +103,7 @@ def plan(args: argparse.Namespace) -> list[dict]:
          "timeout_s": 60, "what": "notebook 00 on this machine (its all-reduce over the GPUs present)"},
         {"name": "training_and_conversion", "argv": [py, "-m", "bench.gpu_check", "--iters", str(args.iters),
                                                       "--run-dir", str(check), *smoke], "timeout_s": 150,
+         "ieee_fp32": True,  # the conversion proofs compare fp32 logits: TF32 off (environment.IEEE_FP32_ENV)
          "what": f"the gpu profile's Megatron-LM launch for {args.iters} iterations (tokens/s, MFU), conversion "
                  "on the GPU with 06's proofs, TP=2 when there are 2 GPUs"},
         {"name": "way_back", "argv": [py, "-c", WAY_BACK, str(check / "throughput"), str(run / "way_back"), "10", "50"],
@@ -118,7 +122,8 @@ def _die_with_parent() -> None:
 
 def _run_step(step: dict) -> dict:
     """One step in its own process group, killed whole past its time limit; its last JSON line is its result."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HELPERS_LAUNCHER_PID": str(os.getpid())}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HELPERS_LAUNCHER_PID": str(os.getpid()),
+           **(environment.IEEE_FP32_ENV if step.get("ieee_fp32") else {})}
     start = time.perf_counter()
     proc = subprocess.Popen(step["argv"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,

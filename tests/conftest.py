@@ -11,10 +11,27 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _gpu_session(config) -> bool:
+    """``pytest -m gpu`` (``make test-gpu``): the GPU tests alone, with the GPUs visible."""
+    return (config.option.markexpr or "").strip() == "gpu"
+
+
+def pytest_configure(config):
+    """The suite is written for a CPU: every other session hides the GPUs from this process and its children.
+
+    Set before torch first asks for CUDA, so a GPU machine runs the same CPU tests (fp32, gloo, the shims on).
+    """
+    if not _gpu_session(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        config.hid_gpus = os.path.exists("/dev/nvidiactl")  # an NVIDIA driver: there were GPUs to hide
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none (CI never has one)")
+    why = ("needs a CUDA GPU: this session hides them (make test-gpu runs it)" if getattr(config, "hid_gpus", False)
+           else "needs a CUDA GPU; this machine has none (CI never has one)")
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -91,3 +91,56 @@ def test_report_names_a_fallback_for_every_missing_component():
             assert r.used_instead not in ("", "-"), r
     table = environment.report_table(rows)
     assert len(table.splitlines()) == len(rows) + 2
+
+
+@pytest.mark.parametrize("gpus, world, backend, why", [
+    (0, 2, "gloo", "no CUDA GPU here"),
+    (1, 2, "gloo", "2 ranks but 1 GPU(s): NCCL needs one GPU per rank"),
+    (2, 2, "nccl", "2 rank(s) on 2 GPU(s), one GPU each"),
+    (8, 2, "nccl", "2 rank(s) on 8 GPU(s)"),
+])
+def test_the_allreduce_uses_nccl_only_with_a_gpu_per_rank(monkeypatch, gpus, world, backend, why):
+    """On a one-GPU machine, rank 1 would ask NCCL for cuda:1, which is not there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    chosen, reason = environment.allreduce_backend(world)
+    assert chosen == backend and why in reason
+
+
+def test_the_report_says_whether_apexs_gradient_fusion_extension_imports(tmp_path, monkeypatch):
+    row = next(r for r in environment.report() if r.name == "Apex gradient fusion")
+    assert row.found is False and row.used_instead == "--no-gradient-accumulation-fusion"
+    (tmp_path / "fused_weight_gradient_mlp_cuda.py").write_text("")  # a stand-in for Apex's compiled extension
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert environment.apex_gradient_fusion() is True
+
+
+def test_ieee_fp32_turns_tf32_off_on_cuda_and_restores_it(monkeypatch):
+    """torch's settings can be read and set without a GPU; the context restores what it found."""
+    import torch
+
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [b.fp32_precision for b in backends]
+    monkeypatch.delenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", raising=False)
+    with environment.ieee_fp32("cuda:0") as arithmetic:
+        assert [b.fp32_precision for b in backends] == ["ieee", "ieee"]
+        assert arithmetic == "IEEE fp32 on cuda:0 (TF32 off)"
+    assert [b.fp32_precision for b in backends] == before
+    with environment.ieee_fp32("cpu") as arithmetic:
+        assert arithmetic == "IEEE fp32 on cpu" and [b.fp32_precision for b in backends] == before
+
+
+def test_ieee_fp32_refuses_a_process_whose_tf32_is_forced_on(monkeypatch):
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")  # as the NGC container sets it
+    with pytest.raises(RuntimeError, match="TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0"):
+        with environment.ieee_fp32("cuda"):
+            pass
+    with environment.ieee_fp32("cpu") as arithmetic:  # a CPU has no TF32 to force
+        assert arithmetic == "IEEE fp32 on cpu"
+
+
+def test_the_docker_command_turns_tf32_off_for_the_fp32_proofs(tmp_path):
+    cmd = environment.docker_run_command(tmp_path)
+    assert "-e NVIDIA_TF32_OVERRIDE=0" in cmd and "-e TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0" in cmd

@@ -163,3 +163,30 @@ def test_without_apex_the_output_layer_refuses_gradient_fusion_so_the_flags_turn
             fusion = core_transformer_config_from_args(args).gradient_accumulation_fusion
             assert fusion is False
             assert layer(fusion).weight.shape == (8, 8)
+
+
+def _fake_gpus(monkeypatch, count: int) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: count > 0)
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_layouts_children_get_the_flags_of_the_devices_they_see(gpus, monkeypatch, tmp_path):
+    """With one GPU a DP=2 comparison hides it from the children: their flags are the CPU's though the parent sees CUDA."""
+    from helpers.demos import layout_runs
+    from helpers.support.environment import IEEE_FP32_ENV
+
+    _fake_gpus(monkeypatch, gpus)
+    cfg = replace(training_config.profile("cpu", str(tmp_path)), precision="fp32")
+    argv, env = layout_runs.child_arguments(cfg, world_size=2)
+    flag = lambda name: argv[argv.index(name) + 1] if name in argv else None  # noqa: E731
+    if gpus == 1:
+        assert env == {"CUDA_VISIBLE_DEVICES": ""}
+        assert flag("--distributed-backend") == "gloo" and flag("--transformer-impl") == "local"
+    else:
+        assert env == IEEE_FP32_ENV  # TF32 off for the fp32 comparison
+        assert flag("--distributed-backend") is None and "--use-cpu-initialization" not in argv
+    _validated(argv)

@@ -280,3 +280,13 @@ def test_a_rank_killed_by_a_signal_and_a_signalled_torchrun_are_named(tmp_path):
     lines = ["torch.distributed.elastic.multiprocessing.api.SignalException: Process 8756 got signal: 15"]
     agent = launch._failure(1, lines, lines, [], None)
     assert agent.headline.startswith("torchrun received SIGTERM and stopped its workers (exit code 1)")
+
+
+def test_the_suite_hides_the_gpus_from_its_child_processes():
+    """Outside `pytest -m gpu` the tests run on the CPU on any machine, children included (tests/conftest.py)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), "
+                          "torch.cuda.is_available())"], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["''", "False"]

@@ -154,9 +154,16 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
     with pytest.raises(ValueError, match="tokenizer .* has 1024 entries"):
         training_config.profile("cpu", str(tmp_path), model={**TINY_MODEL, "vocab_size": 2000},
                                 data_prefix=cfg.data_prefix, tokenizer_dir=cfg.tokenizer_dir, split=cfg.split).check()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # a bf16 config may be written here for a GPU; running it here is refused
+        replace(cfg, precision="bf16").check()
+        from helpers.runner import preflight
+
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
-            replace(cfg, precision="bf16").check()
+            preflight.check_run(replace(cfg, precision="bf16"), nproc=1)
+        with pytest.raises(ValueError, match="needs a CUDA GPU, and the target cpu"):
+            megatron_args.arguments(replace(cfg, precision="bf16"), target="cpu")
+    with pytest.raises(ValueError, match="precision='bf17': choose auto, fp32, bf16 or fp16"):
+        replace(cfg, precision="bf17").check()
     for bad, match in ((dict(lr=float("inf")), r"lr=inf is not a finite number"), (dict(lr=5.0), r"lr=5.0 is above 1"),
                        (dict(adam_beta2=1.0), r"adam_beta2=1.0 must be in \[0, 1\)"),
                        (dict(model=replace(cfg.model, init_method_std=float("inf"))), r"model.init_method_std=inf")):

@@ -135,14 +135,28 @@ def comparison_config(run_dir: str | os.PathLike, *, model: ModelConfig, micro_b
 def launch_env(world_size: int) -> dict[str, str]:
     """Extra environment of a launch of ``world_size`` processes: ``{"CUDA_VISIBLE_DEVICES": ""}``
     (GPUs hidden) when there are fewer GPUs than ``world_size`` or than 2 (the largest layout
-    compared), else ``{}``; so every layout of a comparison (and the shard inspection,
-    :mod:`helpers.demos.shards`) runs on the same kind of device: all on the CPU (gloo, fp32),
-    or all on GPUs (NCCL, fp32)."""
+    compared), else :data:`helpers.support.environment.IEEE_FP32_ENV` (TF32 off); so every layout
+    of a comparison (and the shard inspection, :mod:`helpers.demos.shards`) runs on the same kind
+    of device: all on the CPU (gloo, fp32), or all on GPUs (NCCL, IEEE fp32)."""
     import torch
+
+    from helpers.support.environment import IEEE_FP32_ENV
 
     if torch.cuda.is_available() and torch.cuda.device_count() < max(world_size, 2):
         return {"CUDA_VISIBLE_DEVICES": ""}
-    return {}
+    return dict(IEEE_FP32_ENV) if torch.cuda.is_available() else {}
+
+
+def child_arguments(cfg, world_size: int) -> tuple[list[str], dict[str, str]]:
+    """Megatron-LM's flags for a layout's ``world_size`` children, and their extra environment.
+
+    The flags are for the devices the children see (:func:`launch_env`): with the GPUs hidden they
+    are the CPU's (gloo, the local spec), though this process sees CUDA.
+    """
+    from helpers.runner import megatron_args
+
+    env = launch_env(world_size)
+    return megatron_args.arguments(cfg, target="cpu" if "CUDA_VISIBLE_DEVICES" in env else None), env
 
 
 def _progress_handler(total: int, desc: str, progress: bool):
@@ -278,12 +292,13 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
     folder.mkdir(parents=True, exist_ok=True)
     records_dir = folder / "ranks" if record else None
     cfg.to_json(config_path)
-    plan = launch_plan(layout, [megatron_args.SCRIPT[1], *megatron_args.arguments(cfg)])
+    argv, env = child_arguments(cfg, layout.world_size)
+    plan = launch_plan(layout, [megatron_args.SCRIPT[1], *argv])
     bar, on_line = _progress_handler(cfg.train_iters, layout.label, progress)
     log_path = folder / "training.log"
     try:
         res = launch.torchrun(list(plan.target), nproc_per_node=plan.nproc_per_node, timeout_s=timeout_s,
-                              master_port=plan.master_port, env={**megatron_args.ENV, **launch_env(layout.world_size),
+                              master_port=plan.master_port, env={**megatron_args.ENV, **env,
                                                                  **({rank_record.ENV: str(records_dir)} if record else {})},
                               on_line=on_line, log_path=log_path)
     finally:

@@ -27,6 +27,7 @@ import torch
 
 from helpers.learn import checkpointing
 from helpers.learn.model import ModelConfig
+from helpers.support import environment
 
 
 @dataclass
@@ -62,7 +63,8 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
         workdir: folder for the exchanged files (default: a temporary folder, removed).
         timeout_s: launch time limit (s).
         cpu: run on the CPU over gloo (``CUDA_VISIBLE_DEVICES=""``), so a machine with fewer
-            GPUs than ranks works too and the logits are fp32 CPU results like the reference's.
+            GPUs than ranks works too and the logits are fp32 CPU results like the reference's;
+            ``False``: on the GPUs, in IEEE fp32 (TF32 off).
 
     Returns:
         :class:`TensorParallelRun`.
@@ -97,7 +99,7 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
         if iteration is not None:
             args += ["--iteration", str(iteration)]
         res = launch.torchrun(args, nproc_per_node=tensor_model_parallel_size, timeout_s=timeout_s, on_line=on_line,
-                              env={"CUDA_VISIBLE_DEVICES": ""} if cpu else None)
+                              env={"CUDA_VISIBLE_DEVICES": ""} if cpu else dict(environment.IEEE_FP32_ENV))
         logits = torch.load(logits_path) if logits_path is not None else None
         saved = checkpointing.iteration_dir(save, checkpointing.latest_iteration(save)) if save is not None else None
         return TensorParallelRun(logits, saved, res.wall_seconds)

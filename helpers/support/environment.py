@@ -7,10 +7,13 @@ what the series uses in place of anything missing), and holds the torchrun entry
 2-process all-reduce that proves the distributed launch path works::
 
     python -m torch.distributed.run --nproc_per_node 2 -m helpers.support.environment allreduce
+
+:func:`ieee_fp32` turns TF32 off for the proofs that compare fp32 results (notebooks 05b, 06).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -24,6 +27,47 @@ from pathlib import Path
 #: NGC PyTorch container image used in the README, the Dockerfile and notebook 00.
 NGC_IMAGE = "nvcr.io/nvidia/pytorch"
 NGC_TAG = "26.09-py3"
+
+
+#: The environment of a child process whose fp32 matmuls must be IEEE fp32 on a GPU (layout proofs): cuBLAS
+#: and cuDNN without TF32 (NVIDIA_TF32_OVERRIDE=0), and torch's own override, which the NGC container sets to 1, off.
+IEEE_FP32_ENV = {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0"}
+
+
+@contextlib.contextmanager
+def ieee_fp32(device="cpu"):
+    """Inside the block, fp32 matmuls and convolutions run in IEEE fp32 (TF32 off), restored after.
+
+    On Ampere and later GPUs TF32 rounds fp32 matmul inputs to 10 mantissa bits (relative error
+    about 5e-4), too coarse for proofs at 1e-4. Uses torch's ``fp32_precision`` settings
+    (``torch.backends.cuda.matmul``, ``torch.backends.cudnn``); on a CPU nothing changes.
+
+    Yields:
+        str: what ran, e.g. ``"IEEE fp32 on cuda:0 (TF32 off)"`` or ``"IEEE fp32 on cpu"``.
+
+    Raises:
+        RuntimeError: on CUDA with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (set in the NGC container),
+            which keeps TF32 on whatever torch's settings say: restart with :data:`IEEE_FP32_ENV`.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield f"IEEE fp32 on {device}"
+        return
+    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0") not in ("", "0"):
+        raise RuntimeError("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 keeps TF32 on in this process, so an fp32 proof on the "
+                           "GPU would compare TF32 results. Restart the kernel (or the script) with "
+                           "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 NVIDIA_TF32_OVERRIDE=0, or run the proof on the CPU.")
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    saved = [b.fp32_precision for b in backends]
+    try:
+        for b in backends:
+            b.fp32_precision = "ieee"
+        yield f"IEEE fp32 on {device} (TF32 off)"
+    finally:
+        for b, value in zip(backends, saved):
+            b.fp32_precision = value
 
 
 def docker_run_command(
@@ -63,11 +107,12 @@ def docker_run_command(
         f"--shm-size={shm_size}",
         "--ulimit memlock=-1 --ulimit stack=67108864",
         f"-p {jupyter_port}:{jupyter_port}",
+        *[f"-e {k}={v}" for k, v in IEEE_FP32_ENV.items()],  # the fp32 proofs of 05b and 06 without TF32
         f"-v {shlex.quote(str(repo))}:{workdir}",
         f"-w {workdir}",
         image,
         "bash -c " + shlex.quote(
-            f"make install-ngc && jupyter lab --ip=0.0.0.0 --port={jupyter_port} --allow-root --no-browser notebooks/"
+            f"make install-ngc && .venv/bin/python -m jupyter lab --ip=0.0.0.0 --port={jupyter_port} --allow-root --no-browser notebooks/"
         ),
     ]
     return " \\\n    ".join(parts)
@@ -136,6 +181,16 @@ def nvidia_apex() -> dict[str, bool]:
     return found
 
 
+def apex_gradient_fusion() -> bool:
+    """Whether Apex's ``fused_weight_gradient_mlp_cuda`` extension imports.
+
+    megatron-core's ``ColumnParallelLinear`` (the output layer, even with Transformer Engine) raises a
+    ``RuntimeError`` without it unless ``--no-gradient-accumulation-fusion`` is given
+    (``megatron/core/tensor_parallel/layers.py``, lines 49-53 and 1070).
+    """
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
 def transformer_engine_version() -> str | None:
     """Transformer Engine's version when ``import transformer_engine`` works, else ``None``."""
     if importlib.util.find_spec("transformer_engine") is None:
@@ -182,6 +237,9 @@ def report() -> list[Component]:
                           "Apex FusedAdam" if apex["FusedAdam"] else ("torch AdamW(fused=True)")))
     rows.append(Component("Apex fused LayerNorm", apex["FusedLayerNorm"], "apex.normalization" if apex["FusedLayerNorm"] else "-",
                           "Apex" if apex["FusedLayerNorm"] else "torch.nn.LayerNorm (megatron-core's WrappedTorchNorm)"))
+    fusion = apex_gradient_fusion()
+    rows.append(Component("Apex gradient fusion", fusion, "fused_weight_gradient_mlp_cuda" if fusion else "-",
+                          "fused wgrad accumulation" if fusion else "--no-gradient-accumulation-fusion"))
     te = transformer_engine_version()
     rows.append(Component("Transformer Engine", te is not None, te or "-",
                           "TE layer spec" if te else "megatron-core's local layer spec (torch modules)"))
@@ -195,18 +253,35 @@ def report_table(rows: list[Component] | None = None) -> str:
     return markdown_table([r.as_row() for r in (report() if rows is None else rows)])
 
 
+def allreduce_backend(world_size: int) -> tuple[str, str]:
+    """``("nccl" or "gloo", why)`` for an all-reduce of ``world_size`` ranks, one per GPU where there are enough.
+
+    NCCL needs one GPU per rank (rank R uses ``cuda:R``); with fewer GPUs than ranks the ranks use gloo on the CPU.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= world_size:
+        return "nccl", f"{world_size} rank(s) on {gpus} GPU(s), one GPU each"
+    if gpus == 0:
+        return "gloo", "no CUDA GPU here: the ranks reduce on the CPU"
+    return "gloo", f"{world_size} ranks but {gpus} GPU(s): NCCL needs one GPU per rank, so the ranks reduce on the CPU"
+
+
 def allreduce_main() -> None:
     """torchrun entry point: every rank contributes ``rank + 1``; all must see the same sum.
 
-    Uses NCCL on GPUs and gloo on CPU. Prints one line per rank:
+    Uses NCCL with one GPU per rank, else gloo (:func:`allreduce_backend`). Prints rank 0's reason, then one line per rank:
     ``rank R/W backend B: all_reduce(sum) = S (expected E)``, and exits non-zero on a mismatch.
     """
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend, why = allreduce_backend(int(os.environ.get("WORLD_SIZE", 1)))
     dist.init_process_group(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        sys.stdout.write(f"backend {backend}: {why}\n")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
