@@ -135,8 +135,15 @@ def test_record_start_and_finish_record_this_machine(tmp_path):
     assert len(results.load_summary(tmp_path)["series"]["end"]["load_average_end"]) == 3
     assert f"| megatron-core | found | {versions['megatron-core']} | - |" in text
     assert "Did not run: 00_a (0 of 1 notebooks ran)." in text
+    finished = results.load_summary(tmp_path)["series"]["end"]["finished"]
     report.record_start(tmp_path, profile="smoke", notebooks=["00_a"])  # a new run in the same folder
-    assert "finished never (the runner stopped before the end)" in report.write(tmp_path).read_text()
+    text = report.write(tmp_path).read_text()
+    assert "finished never (the runner stopped before the end)" in text
+    kept = results.load_summary(tmp_path)["series"]["last_finished"]  # a rerun that fails keeps the good run's record
+    assert kept["start"] == facts and kept["end"]["finished"] == finished
+    assert f"The last series run that finished here: started {facts['started']}, finished {finished}" in text
+    report.record_start(tmp_path, profile="smoke", notebooks=["00_a"])  # and a second failed rerun too
+    assert results.load_summary(tmp_path)["series"]["last_finished"] == kept
 
 
 def test_the_runner_writes_the_report_card_at_the_end_of_run(tmp_path, monkeypatch, capsys):

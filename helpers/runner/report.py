@@ -63,7 +63,8 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
     --porcelain``, untracked files included), the CPU model, logical and usable cores, memory
     (GiB), the load average (1/5/15 min), the speed of a matrix multiply and of a Python loop (about 1 s;
     :func:`helpers.runner.readiness.matmul_gflops`), the profile, the overrides and the series'
-    notebooks (``notebooks``, stems, to name those that did not run).
+    notebooks (``notebooks``, stems, to name those that did not run). The record of the last series run that
+    finished is kept as ``summary["series"]["last_finished"]`` (``start`` and ``end``), so a failed rerun does not lose it.
 
     Returns:
         The recorded dict.
@@ -79,7 +80,9 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
              "load_average_start": _load_average(),
              # this machine's speed, by the measurements make check scales the recorded run's time with (timings)
              "matmul_gflops": round(readiness.matmul_gflops(0.5), 1), "python_loop_mops": round(readiness.python_loop_mops(0.5), 2)}
-    return results.record_many(run_dir, SECTION, {"start": facts, "end": {}})["start"]  # {}: not finished yet
+    previous = results.load_summary(run_dir).get(SECTION, {})
+    kept = {"last_finished": {"start": previous["start"], "end": previous["end"]}} if previous.get("end") else {}
+    return results.record_many(run_dir, SECTION, {"start": facts, "end": {}, **kept})["start"]  # {}: not finished yet
 
 
 def finish(run_dir: str | os.PathLike) -> Path:
@@ -143,6 +146,10 @@ def render(run_dir: str | os.PathLike) -> str:
     out = [f"# Report card: {folder.name}", f"Profile `{start.get('profile', '?')}`, started {start.get('started', '?')}, "
            f"finished {end.get('finished', 'never (the runner stopped before the end)')}. Commit "
            f"`{(start.get('commit') or 'unknown')[:12]}`{tree}" + (f"; overrides {start['overrides']}" if start.get("overrides") else "") + "."]
+    last = summary.get(SECTION, {}).get("last_finished")
+    if last and not end:
+        out.append(f"The last series run that finished here: started {last['start'].get('started', '?')}, finished "
+                   f"{last['end'].get('finished', '?')} (commit `{(last['start'].get('commit') or 'unknown')[:12]}`).")
     if start.get("environment"):
         out += ["## Environment", results.markdown_table(start["environment"], ENVIRONMENT_HEADERS)]
     paths = [("device", summary.get("00_container_setup", {}).get("device")),
