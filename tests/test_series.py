@@ -310,3 +310,33 @@ def test_the_runner_says_where_a_long_notebook_is_and_the_time_left(tmp_path, mo
     with series._heartbeat("03_training", tmp_path / "running.ipynb", 131.1, 0.0):
         time.sleep(0.3)
     assert "03_training: 0 s, code cell 2 of 2; the series: about 131 s left" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_notebook_ends_quietly_with_the_runners_message_and_nothing_left(tmp_path):
+    """A terminal's Ctrl-C reaches the runner and its kernel (one process group): exit 130, the runner's own
+    message, no traceback (the kernel's log of its channels closing goes to its .kernel.log), no process left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.runner.series", "run", "--profile", "smoke", "--run-dir",
+                             str(run), "--only", "00"], cwd=series.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    log = run / "executed" / "last-attempt" / "00_container_setup.kernel.log"
+    deadline = time.monotonic() + 120
+    while not log.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(4)  # the kernel is running the notebook's cells
+    assert proc.poll() is None, "notebook 00 ended before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - start < 15
+    assert "Traceback" not in err and "interrupted: the notebook that was running is kept" in err, err
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no kernel or child of the runner is left in its process group

@@ -274,6 +274,7 @@ def _run_notebooks(folder: Path, selected: list[Path], params: dict[str, dict[st
         results.commit_attempt(folder, pending)  # it succeeded: its results and figures become the run's
         if attempt.exists():
             os.replace(attempt, output)
+        _keep_kernel_log(attempt, output)
         if not any(attempt.parent.iterdir()):  # no failed attempt at another notebook is kept there
             attempt.parent.rmdir()
         results.record(folder, path.stem, "wall_seconds", round(wall, 2))
@@ -373,7 +374,7 @@ def _execute(path: Path, output: Path, parameters: dict[str, Any], timeout: int 
             papermill.execute_notebook(
                 str(path), str(output), parameters=parameters, cwd=str(path.parent),
                 kernel_name="python3", progress_bar=False, log_output=log_output,
-                execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir)),
+                execution_timeout=timeout, kernel_manager_class=_ipc_kernel_manager(Path(ipc_dir), output.with_suffix(".kernel.log")),
             )
         except (papermill.PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
             raise NotebookError(_failure_text(path.stem, err, output, last_good)) from None
@@ -486,16 +487,33 @@ def _report_card(write, folder: Path) -> Path | str:
         return "not written"
 
 
-def _ipc_kernel_manager(folder: Path):
+def _keep_kernel_log(attempt: Path, output: Path) -> None:
+    """Move a successful attempt's kernel log beside its executed notebook (removed when empty)."""
+    log = attempt.with_suffix(".kernel.log")
+    if log.exists() and log.stat().st_size:
+        os.replace(log, output.with_suffix(".kernel.log"))
+    elif log.exists():
+        log.unlink()
+
+
+def _ipc_kernel_manager(folder: Path, stderr_log: Path | None = None):
     """A jupyter_client ``KernelManager`` that talks to its kernel over local IPC sockets in
     ``folder`` instead of TCP: no ports, and no "Kernel is running over TCP without encryption"
-    warning from every notebook's kernel (ipykernel 7)."""
+    warning from every notebook's kernel (ipykernel 7). The kernel process's own stderr (its log, not
+    the cells' output) goes to ``stderr_log``: after Ctrl-C it reports the channels closing under it
+    (``zmq.error.ZMQError: Socket operation on non-socket``), which is no error of the notebook."""
     from jupyter_client.manager import AsyncKernelManager  # async: nbclient then sees a dead kernel and cell timeouts
 
     class IPCKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
             kwargs.update(transport="ipc", ip=str(folder / "kernel"))
             super().__init__(**kwargs)
+
+        async def start_kernel(self, **kw):
+            if stderr_log is None:
+                return await super().start_kernel(**kw)
+            with open(stderr_log, "ab") as log:  # the kernel holds its own copy of the descriptor
+                return await super().start_kernel(stderr=log, **kw)
 
     return IPCKernelManager
 
@@ -511,6 +529,8 @@ def _failure_text(stem: str, err, output: Path, last_good: Path | None = None) -
                   + (f"\n  the last good run of {stem} is kept: {last_good} and its results in {results.SUMMARY_FILE}"
                      if last_good.exists() else ""))
     if not hasattr(err, "evalue"):  # the kernel died or a cell ran past its timeout
+        log = output.with_suffix(".kernel.log")
+        where += f"\n  the kernel's own log: {log}" if log.exists() and log.stat().st_size else ""
         return f"notebook {stem} failed: {type(err).__name__}: {err}\n{where}"
     value = str(err.evalue)
     if "\n--- last lines of the log ---\n" in value:
