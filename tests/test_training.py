@@ -160,7 +160,7 @@ def test_bad_input_is_a_clear_error(data, tmp_path):
 
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             preflight.check_run(replace(cfg, precision="bf16"), nproc=1)
-        with pytest.raises(ValueError, match="needs a CUDA GPU, and the target cpu"):
+        with pytest.raises(ValueError, match="needs a CUDA GPU, and target cpu: no GPU"):
             megatron_args.arguments(replace(cfg, precision="bf16"), target="cpu")
     with pytest.raises(ValueError, match="precision='bf17': choose auto, fp32, bf16 or fp16"):
         replace(cfg, precision="bf17").check()
