@@ -379,3 +379,29 @@ def test_moe_router_end_to_end(dist1):
     assert logits.shape == (3, 2, 4) and router.weight.device.type == "cpu"
     probs, routing_map = router(tokens)
     assert probs.shape == routing_map.shape == (6, 4) and routing_map.sum(dim=1).eq(2).all()
+
+
+def test_apply_before_megatron_training_is_imported_patches_it_on_import():
+    """The README's recipe for Megatron-LM's own pretrain_gpt.py: cpu_compat.apply() first, then the script's
+    `from megatron.training import ...`. apply() alone leaves megatron.training unimported (root logger at
+    WARNING, 30); the import installs the shims, so initialize_megatron's `assert torch.cuda.is_available()`
+    (initialize.py:66) sees the CPU as the device, and the JIT warm-up on CUDA tensors is replaced."""
+    import subprocess
+    import sys
+
+    probe = ("import logging, sys\nfrom helpers.support import cpu_compat\nprint(cpu_compat.apply())\n"
+             "print('megatron.training' in sys.modules, logging.getLogger().level)\n"
+             "from megatron.training import initialize_megatron, pretrain\n"
+             "from megatron.training import initialize, training, checkpointing\n"
+             "print(cpu_compat._state['training_applied'], cpu_compat._state['hook'] is None)\n"
+             "print(type(initialize.torch).__name__, initialize.torch.cuda.is_available(),\n"
+             "      initialize.torch.cuda.device_count(), type(training.torch).__name__,\n"
+             "      type(checkpointing.torch).__name__)\n"
+             "print(initialize._warmup_jit_function is cpu_compat._no_jit_warmup,\n"
+             "      initialize_megatron.__globals__['torch'] is initialize.torch)\n"
+             "cpu_compat.revert()\nprint(initialize.torch.cuda.is_available())\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False", "30", "True", "True", "CpuTorch", "True", "1", "CpuTorch",
+                                  "CpuTorch", "True", "True", "False"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.abc
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,8 +268,9 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
 
 #: Megatron-LM's training loop (``megatron/training``, shipped in the megatron-core wheel): what
 #: ``helpers/learn/pretrain_gpt.py`` needs for ``megatron.training.pretrain`` on a CPU at TP, PP and DP up
-#: to 2, with checkpoints and resume. Applied only in a process that imported ``megatron.training``:
-#: its ``training.py`` sets the root logger to INFO on import, which a notebook should not inherit.
+#: to 2, with checkpoints and resume. Applied when the process imports ``megatron.training``, before or after
+#: :func:`apply` (:class:`_TrainingImportHook`): its ``training.py`` sets the root logger to INFO on import, which
+#: a notebook that only uses megatron-core should not inherit, so :func:`apply` does not import it.
 TRAINING_SHIMS: tuple[Shim, ...] = (
     Shim("initialize", "megatron.training.initialize",
          {66: "torch.cuda.is_available()", 270: "torch.cuda.device_count()", 282: "torch.cuda.set_device(",
@@ -348,7 +350,7 @@ RNG_SHIM = Shim("rng_tracker", "megatron.core.tensor_parallel.random",
 
 SHIMS: tuple[Shim, ...] = DEVICE_SHIMS + TRAINING_SHIMS + _METHOD_SHIM_LIST + _FUNCTION_SHIM_LIST + (RNG_SHIM,)
 
-_state: dict[str, Any] = {"applied": False, "training_applied": False, "originals": {}}
+_state: dict[str, Any] = {"applied": False, "training_applied": False, "hook": None, "originals": {}}
 
 
 def needed() -> bool:
@@ -598,6 +600,58 @@ def _revert_methods() -> None:
 
 
 # --------------------------------------------------------------------------- apply / revert
+class _TrainingImportHook(importlib.abc.MetaPathFinder):
+    """Installs :data:`TRAINING_SHIMS` the moment the ``megatron.training`` package finishes importing.
+
+    Megatron-LM's ``pretrain_gpt.py`` imports ``megatron.training`` at its top, so a call of :func:`apply`
+    placed before those imports would otherwise leave ``initialize_megatron``'s ``assert
+    torch.cuda.is_available()`` (megatron/training/initialize.py:66) in place. The package's
+    ``__init__`` imports ``initialize`` and ``training``; the hook patches once it has run.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "megatron.training":
+            return None
+        import sys
+
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _remove_hook()
+            if _state["applied"] and not _state["training_applied"]:
+                _patch(training=True)
+                _state["training_applied"] = True
+
+        spec.loader.exec_module = exec_and_patch  # this spec's own loader instance only
+        return spec
+
+
+def _install_hook() -> None:
+    import sys
+
+    if _state["hook"] is None:
+        _state["hook"] = _TrainingImportHook()
+        sys.meta_path.insert(0, _state["hook"])
+
+
+def _remove_hook() -> None:
+    import sys
+
+    if _state["hook"] is not None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(_state["hook"])
+        _state["hook"] = None
+
+
 def _is_training(module_name: str) -> bool:
     return module_name.startswith("megatron.training")
 
@@ -637,8 +691,10 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
 
     Args:
         force: apply even when CUDA is available (tests only).
-        training: also patch ``megatron.training``; default: when this process has imported it
-            already (``helpers/learn/pretrain_gpt.py`` imports it first). A later call with ``training``
+        training: ``True``: import ``megatron.training`` and patch it now; ``False``: leave it alone;
+            default: patch it now if this process imported it already, else the moment it is imported
+            (so ``apply()`` may come first in Megatron-LM's ``pretrain_gpt.py``; ``apply()`` itself never
+            imports it, whose ``training.py`` sets the root logger to INFO). A later call with ``training``
             adds those shims to the ones applied.
 
     Returns:
@@ -653,7 +709,9 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
     if not force and not needed():
         return False
     if training is None:
-        training = "megatron.training.training" in sys.modules
+        training = "megatron.training" in sys.modules
+        if not training and not _state["training_applied"]:
+            _install_hook()
     if not _state["applied"]:
         from helpers.support.environment import package_version
 
@@ -672,6 +730,7 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
         run_guard.checkpoint_queue_in_process()  # not a CUDA matter: no helper process left behind by a save
         _state["applied"] = True
     if training and not _state["training_applied"]:
+        _remove_hook()
         _patch(training=True)
         _state["training_applied"] = True
     return True
@@ -679,6 +738,7 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
 
 def revert() -> None:
     """Undo :func:`apply` (used by the tests to show each unpatched call still fails)."""
+    _remove_hook()
     if _state["training_applied"]:
         _unpatch(training=True)
         _state["training_applied"] = False
@@ -695,14 +755,14 @@ def unpatched() -> Iterator[None]:
     """Temporarily undo the shims inside a ``with`` block (tests), re-applying them (and the
     RNG tracker that was in use) after."""
     random = importlib.import_module(RNG_SHIM.module)
-    was, was_training = is_applied(), _state["training_applied"]
+    was, was_training, was_waiting = is_applied(), _state["training_applied"], _state["hook"] is not None
     tracker = (random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     revert()
     try:
         yield
     finally:
         if was:
-            apply(force=True, training=was_training)
+            apply(force=True, training=True if was_training else (None if was_waiting else False))
             random._CUDA_RNG_STATE_TRACKER, random._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker
 
 
