@@ -350,7 +350,8 @@ def test_launch_env_hides_gpus_only_when_too_few(monkeypatch):
     assert layout_runs.launch_env(4) == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert layout_runs.launch_env(1) == {} and layout_runs.launch_env(2) == {}
+    ieee = {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0"}  # the GPUs' fp32 proofs without TF32
+    assert layout_runs.launch_env(1) == ieee and layout_runs.launch_env(2) == ieee
     assert layout_runs.launch_env(4) == {"CUDA_VISIBLE_DEVICES": ""}
 
 
