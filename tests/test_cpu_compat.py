@@ -37,7 +37,8 @@ def _tiny_model():
     return model.build_model(cfg)
 
 
-@pytest.mark.parametrize("shim", cpu_compat.SHIMS + (cpu_compat.WHEEL_SHIM,), ids=lambda s: s.name)
+@pytest.mark.parametrize("shim", cpu_compat.SHIMS + (cpu_compat.WHEEL_SHIM,) + cpu_compat.RESUME_SHIMS,
+                         ids=lambda s: s.name)
 def test_named_lines_still_hold_the_cuda_only_call(shim):
     """The megatron-core lines each shim names still make the CUDA-only call it works around."""
     from helpers.support.environment import package_version
@@ -405,3 +406,81 @@ def test_apply_before_megatron_training_is_imported_patches_it_on_import():
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False", "30", "True", "True", "CpuTorch", "True", "1", "CpuTorch",
                                   "CpuTorch", "True", "True", "False"]
+
+
+def _distributed_optimizer():
+    """megatron-core's DistributedOptimizer (torch's AdamW, fp32) over a tiny GPT, as Megatron-LM builds it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    gpt = _tiny_model()
+    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(use_distributed_optimizer=True), gpt)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+    return optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+
+
+def _buckets(opt):
+    """The optimizer's dp_reshardable state, each entry marked as the checkpoint marks it (no padding)."""
+    state = opt.get_parameter_state_dp_reshardable()
+    for dtypes in (v for k, v in state.items() if isinstance(k, int)):
+        for buckets in dtypes.values():
+            for bucket in buckets:
+                for entry in bucket:
+                    entry["padding"] = False
+    return state
+
+
+def _one_step(opt):
+    for group in opt.optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.full_like(p, 0.01)
+    opt.optimizer.step()
+
+
+def test_a_distributed_optimizer_resumes_with_torch_adam(dist1):
+    """Issue 39: without TE or Apex, megatron-core's DistributedOptimizer could not be resumed. Unpatched, each of
+    the three steps of a load fails: a fresh optimizer's state_dict asserts (no AdamW step yet), load_state_dict
+    gives all parameters one shared step tensor (torch then counts a step per parameter), and the dp_reshardable
+    load copies into fp32 views of the weights outside no_grad and puts the planned state's step back.
+    tests/test_training.py resumes whole runs and compares their losses with uninterrupted ones."""
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert not distrib_optimizer.HAVE_APEX_OR_TE
+    cpu_compat.apply()
+    cpu_compat.resume_distributed_optimizer()
+    cpu_compat.resume_distributed_optimizer()  # idempotent
+    originals = {method: cpu_compat._state["originals"][(shim.name, method)] for shim, method in
+                 zip(cpu_compat.RESUME_SHIMS, ("state_dict", "load_state_dict", "load_parameter_state_from_dp_reshardable"))}
+
+    fresh = _distributed_optimizer()
+    with pytest.raises(AssertionError):
+        originals["state_dict"](fresh)
+    planned = fresh.state_dict()  # patched: the fresh optimizer says step 0 and stays empty
+    assert {g["step"] for g in planned["optimizer"]["param_groups"]} == {0} and len(fresh.optimizer.state) == 0
+
+    trained = _distributed_optimizer()
+    _one_step(trained)
+    saved = trained.state_dict()
+    assert {g["step"] for g in saved["optimizer"]["param_groups"]} == {1}
+
+    shared = _distributed_optimizer()
+    originals["load_state_dict"](shared, saved)
+    assert len({id(s["step"]) for s in shared.optimizer.state.values()}) == 1 < len(shared.optimizer.state)
+    fresh.load_state_dict(saved)  # patched: one step tensor per parameter, each at the saved step
+    steps = [s["step"] for s in fresh.optimizer.state.values()]
+    assert len({id(t) for t in steps}) == len(steps) > 1 and {t.item() for t in steps} == {1.0}
+
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        originals["load_parameter_state_from_dp_reshardable"](fresh, _buckets(trained))
+    planned_buckets = _buckets(fresh)  # what a load plans on: this optimizer's own tensors, its step included
+    for dtypes in (v for k, v in planned_buckets.items() if isinstance(k, int)):
+        for buckets in dtypes.values():
+            for bucket, theirs in zip(buckets, _buckets(trained)[0][next(iter(dtypes))]):
+                for entry, src in zip(bucket, theirs):
+                    entry.update({k: src[k].clone() for k in ("param", "exp_avg", "exp_avg_sq")}, step=torch.tensor(0.0))
+    fresh.load_parameter_state_from_dp_reshardable(planned_buckets)
+    for mine, theirs in zip(fresh.optimizer.state.values(), trained.optimizer.state.values()):
+        assert torch.equal(mine["exp_avg"], theirs["exp_avg"]) and torch.equal(mine["exp_avg_sq"], theirs["exp_avg_sq"])
+    assert {s["step"].item() for s in fresh.optimizer.state.values()} == {1.0}
+    assert DistributedOptimizer.state_dict.__doc__ == originals["state_dict"].__doc__

@@ -493,3 +493,64 @@ def test_codeparrot_small_trains_on_cuda_in_bf16(data, tmp_path):
     print(f"codeparrot-small bf16: {s['tokens_per_s']:.0f} tokens/s, MFU {mfu:.1%} of {peak} TFLOP/s, "
           f"optimizer {s['optimizer']}")
     assert 0 < mfu < 1
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)], ids=["dp2-to-dp1", "dp1-to-dp2"])
+def test_a_distributed_optimizer_run_resumes_at_another_data_parallel_size(uninterrupted, data, tmp_path, first, second):
+    """Issue 39: --use-distributed-optimizer trained to iteration 6 (--exit-interval, which saves), then resumed to
+    12 on another number of ranks: Megatron-LM's default dp_reshardable checkpoint reshards the optimizer state over
+    the new data-parallel group (cpu_compat.resume_distributed_optimizer makes that load work with torch's AdamW),
+    and every loss equals the uninterrupted one-process run's within 1e-5 nats."""
+    cfg = tiny_config(data, tmp_path / "zero1", use_distributed_optimizer=True)
+    launch.train(replace(cfg, exit_interval=6), nproc_per_node=first, timeout_s=300, progress=False)
+    assert checkpointing.latest_iteration(cfg.checkpoint_path) == 6
+    result = launch.train(cfg, nproc_per_node=second, timeout_s=300, progress=False)
+    assert any(f"loading distributed checkpoint from {cfg.checkpoint_path} at iteration 6" in line for line in result.log)
+    ours, reference = _losses(cfg), _losses(uninterrupted[0])
+    assert sorted(ours) == list(range(1, 13))
+    for it in ours:
+        assert ours[it] == pytest.approx(reference[it], abs=1e-5), it
+
+    # Another TP (or PP) size: Megatron-LM would refuse the optimizer state after start-up; refused up front.
+    log = (cfg.run_path / "training.log").stat().st_mtime_ns
+    with pytest.raises(checkpointing.CheckpointMismatchError,
+                       match=r"at TP=1, PP=1, and this run asks for TP=2, PP=1.*Fix: resume at tensor_model_parallel_size=1"):
+        launch.train(replace(cfg, tensor_model_parallel_size=2, train_iters=16), nproc_per_node=2, progress=False)
+    assert (cfg.run_path / "training.log").stat().st_mtime_ns == log and checkpointing.latest_iteration(cfg.checkpoint_path) == 12
+
+
+def test_a_resume_the_load_would_refuse_is_refused_up_front(tmp_path):
+    """Issue 39's resume matrix, the combinations Megatron-LM's load refuses after start-up (measured on 0.19.2):
+    a distributed-optimizer checkpoint at another TP or PP size, and switching the distributed optimizer on or off.
+    Everything else resumes: DP 1 <-> 2 with and without it, TP and PP 1 <-> 2 without it."""
+    saved = {"iteration": 6, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "use_distributed_optimizer": True, "dist_ckpt_optim_fully_reshardable": False}
+    checkpointing.check_layout(saved, 1, 1, True, tmp_path)  # any DP size: no TP/PP in the call
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="asks for TP=1, PP=2.*dp_reshardable"):
+        checkpointing.check_layout(saved, 1, 2, True, tmp_path)
+    checkpointing.check_layout({**saved, "dist_ckpt_optim_fully_reshardable": True}, 2, 1, True, tmp_path)
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved with the distributed optimizer.*"
+                       "Fix: resume with use_distributed_optimizer=True"):
+        checkpointing.check_layout(saved, 1, 1, False, tmp_path)
+    plain = {**saved, "use_distributed_optimizer": False}
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved without the distributed optimizer"):
+        checkpointing.check_layout(plain, 1, 1, True, tmp_path)
+    for tp, pp in ((2, 1), (1, 2)):
+        checkpointing.check_layout(plain, tp, pp, False, tmp_path)
+    checkpointing.check_layout({"iteration": 0}, 2, 2, True, tmp_path)  # the series' own weights-only save
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)],
+                         ids=["tp1-to-tp2", "pp1-to-pp2"])
+def test_a_run_resumes_at_another_tensor_or_pipeline_size(uninterrupted, data, tmp_path, layout):
+    """Issue 39's resume matrix: without the distributed optimizer a torch_dist checkpoint of one process resumes
+    on two at TP=2 or PP=2 (each tensor is stored whole and resharded on load), every loss within 1e-5 nats of
+    the uninterrupted one-process run's (TP's partial sums add in another order)."""
+    cfg = tiny_config(data, tmp_path / "run")
+    launch.train(replace(cfg, exit_interval=6), nproc_per_node=1, timeout_s=300, progress=False)
+    result = launch.train(replace(cfg, **layout), nproc_per_node=2, timeout_s=300, progress=False)
+    assert any("loading distributed checkpoint" in line and "at iteration 6" in line for line in result.log)
+    ours, reference = _losses(cfg), _losses(uninterrupted[0])
+    assert sorted(ours) == list(range(1, 13))
+    for it in ours:
+        assert ours[it] == pytest.approx(reference[it], abs=1e-5), it

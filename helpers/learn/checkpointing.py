@@ -57,7 +57,8 @@ def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None =
 
     Returns:
         ``ModelConfig.to_metadata()`` of the model that was trained, plus ``iteration``,
-        ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size``.
+        ``tensor_model_parallel_size`` and ``pipeline_model_parallel_size`` (and, for a checkpoint of
+        Megatron-LM's loop, ``data_parallel_size``, ``use_distributed_optimizer`` and its optimizer format).
 
     Raises:
         FileNotFoundError: no checkpoint in ``checkpoint_dir``.
@@ -81,7 +82,9 @@ def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None =
     args = megatron_lm._args_dict(state["args"])
     return {**meta, "iteration": int(state.get("iteration", iteration)),
             "consumed_train_samples": args.get("consumed_train_samples"),
-            "data_parallel_size": args.get("data_parallel_size")}
+            "data_parallel_size": args.get("data_parallel_size"),
+            "use_distributed_optimizer": bool(args.get("use_distributed_optimizer")),
+            "dist_ckpt_optim_fully_reshardable": bool(args.get("dist_ckpt_optim_fully_reshardable"))}
 
 
 def check_readable(folder: str | os.PathLike) -> None:
@@ -127,6 +130,47 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], checkpoint_
             f"({'; '.join(diffs)}). It was not loaded and will not be overwritten. Use a new "
             "run_dir (or checkpoint_dir) for this model, or delete that folder to start over."
         )
+
+
+def check_layout(saved: dict[str, Any], tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+                 use_distributed_optimizer: bool, checkpoint_dir: str | os.PathLike) -> None:
+    """Refuse, before any process starts, a resume that Megatron-LM's load would refuse after start-up.
+
+    A ``--use-distributed-optimizer`` checkpoint in Megatron-LM's default optimizer format (``dp_reshardable``,
+    megatron/core/optimizer/distrib_optimizer.py) reshards over data-parallel ranks only: resuming it at another
+    TP or PP size stops in ``load_checkpoint`` with "(TP, PP) mismatch after resume"; and a run that switches the
+    distributed optimizer on or off fails to read the other's optimizer state (a KeyError, or "flattened_range is
+    not supported"). Any DP size resumes, and a checkpoint without the distributed optimizer resumes at any TP, PP
+    and DP (tests/test_training.py).
+
+    Args:
+        saved: :func:`read_model_config` of the checkpoint to resume.
+        tensor_model_parallel_size, pipeline_model_parallel_size, use_distributed_optimizer: the new run's.
+
+    Raises:
+        CheckpointMismatchError: names both layouts, the cause and the ways out; the checkpoint is untouched.
+    """
+    if "use_distributed_optimizer" in saved and saved["use_distributed_optimizer"] != use_distributed_optimizer:
+        state = "with" if saved["use_distributed_optimizer"] else "without"
+        raise CheckpointMismatchError(
+            f"the checkpoint in {checkpoint_dir} (iteration {saved.get('iteration')}) holds an optimizer state "
+            f"saved {state} the distributed optimizer, and this run asks for use_distributed_optimizer="
+            f"{use_distributed_optimizer}. The two store AdamW's moments in different layouts, and Megatron-LM's "
+            "load fails after start-up on either change. Nothing was loaded or changed. Fix: resume with "
+            f"use_distributed_optimizer={saved['use_distributed_optimizer']}, or use a new run_dir.")
+    was = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))
+    now = (tensor_model_parallel_size, pipeline_model_parallel_size)
+    if (saved.get("use_distributed_optimizer") and use_distributed_optimizer and was != now
+            and not saved.get("dist_ckpt_optim_fully_reshardable")):
+        raise CheckpointMismatchError(
+            f"the checkpoint in {checkpoint_dir} (iteration {saved.get('iteration')}) was saved by the distributed "
+            f"optimizer at TP={was[0]}, PP={was[1]}, and this run asks for TP={now[0]}, PP={now[1]}. Its optimizer "
+            "state is in Megatron-LM's default dp_reshardable format, which reshards over data-parallel ranks only, "
+            "so Megatron-LM would refuse it after start-up. Nothing was loaded or changed. Fix: resume at "
+            f"tensor_model_parallel_size={was[0]}, pipeline_model_parallel_size={was[1]} (any number of processes "
+            "that is a multiple of their product), or use a new run_dir for the new layout. Megatron-LM's "
+            "--dist-ckpt-optim-fully-reshardable, set when a run saves, writes a format meant to change TP and PP; "
+            "the series does not set it.")
 
 
 # --------------------------------------------------------------------------- RNG states

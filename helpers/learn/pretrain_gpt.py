@@ -21,6 +21,8 @@ What it adds to Megatron-LM's script, and why:
   the CPU (each is named, file and line, in :mod:`helpers.support.cpu_compat`). With CUDA it does nothing.
 * ``cpu_compat.use_prebuilt_dataset_helpers()``: the wheel's dataset helpers are prebuilt, but
   ``initialize_megatron`` runs ``make`` for them and exits when that fails (GPU too).
+* ``cpu_compat.resume_distributed_optimizer()``: a ``--use-distributed-optimizer`` run resumes
+  (megatron-core's distributed optimizer fails to load with torch's AdamW, and in fp32; GPU too).
 * Every rank reads its own batches: ``pretrain_gpt.py`` builds the datasets on tensor-parallel
   rank 0 and broadcasts each batch as CUDA tensors (``get_batch_on_this_tp_rank``); here each
   rank reads the same samples from the memory-mapped ``.bin/.idx`` itself.
@@ -61,6 +63,7 @@ from helpers.support import cpu_compat, run_guard
 
 cpu_compat.apply()  # the one line a CPU needs: megatron-core's and megatron.training's CUDA-only calls (none with CUDA)
 cpu_compat.use_prebuilt_dataset_helpers()
+cpu_compat.resume_distributed_optimizer()
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

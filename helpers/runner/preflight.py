@@ -236,7 +236,8 @@ def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_nam
     Raises:
         TypeError / ValueError / FileNotFoundError: the configuration (:meth:`TrainingConfig.check`).
         helpers.support.run_guard.RunFolderNotWritableError, RunFolderBusyError: the folders.
-        helpers.learn.checkpointing.CheckpointMismatchError: the checkpoint holds another model shape.
+        helpers.learn.checkpointing.CheckpointMismatchError: the checkpoint holds another model shape, or a
+            distributed-optimizer state that cannot move to this run's TP x PP layout.
         helpers.learn.checkpointing.CheckpointReadError: the checkpoint to resume from has a missing or short shard.
         ValueError: the folder holds a finished run trained with other settings.
         RepeatedDataError: more than ``max_epochs`` epochs (:func:`check_repeats`).
@@ -252,6 +253,8 @@ def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_nam
         checkpointing.check_readable(checkpointing.iteration_dir(cfg.checkpoint_path, latest))  # Megatron-LM would say only "EOFError"
         saved = checkpointing.read_model_config(cfg.checkpoint_path, latest)
         checkpointing.check_compatible(saved, cfg.model.to_metadata(cfg.tensor_model_parallel_size), cfg.checkpoint_path)
+        checkpointing.check_layout(saved, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                   cfg.use_distributed_optimizer, cfg.checkpoint_path)
         if latest >= cfg.train_iters and cfg.summary_file.exists():
             if (cfg.run_path / config_name).exists():  # a finished run's results must be this config's
                 try:

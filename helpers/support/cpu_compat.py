@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import importlib.abc
 import warnings
@@ -256,6 +257,9 @@ DEVICE_SHIMS: tuple[Shim, ...] = (
          "get_grad_norm_fp32 accumulates the norm on device='cuda'"),
     Shim("optimizer", "megatron.core.optimizer.optimizer", {315: _CUDA1, 1249: _CUDA1},
          "FP32Optimizer keeps its loss scale, and the optimizer its found-inf flag, on device='cuda'"),
+    Shim("distrib_optimizer_load", "megatron.core.optimizer.distrib_optimizer", {998: _CUR},
+         "a resumed --use-distributed-optimizer run allocates its optimizer state on torch.cuda.current_device() "
+         "before the checkpoint's values overwrite it (DistributedOptimizer.load_state_dict)"),
     Shim("moe_router", "megatron.core.transformer.moe.router", {98: _CUR, 184: _CUR, 193: _CUR, 207: _CUR, 213: _CUR},
          "a mixture-of-experts router (--num-experts) moves its weight to torch.cuda.current_device() at its first "
          "forward, and keeps its expert-bias and global aux-loss counters there"),
@@ -317,6 +321,30 @@ _FUNCTION_SHIM_LIST: tuple[Shim, ...] = (
 WHEEL_SHIM = Shim("dataset_helpers", "megatron.core.datasets.utils",
                   {25: 'command = ["make", "-C", os.path.abspath(os.path.dirname(__file__))]'},
                   "compile_helpers runs make in a folder without a Makefile and calls sys.exit(1)", proxy=None)
+
+#: Not CPU matters: three gaps of the distributed optimizer's resume (``--use-distributed-optimizer``), which
+#: stopped every such run from loading its checkpoint. Applied on GPUs too, by :func:`resume_distributed_optimizer`.
+RESUME_SHIMS: tuple[Shim, ...] = (
+    Shim("torch_adam_resume", "megatron.core.optimizer.distrib_optimizer",
+         {838: 's["step"].item() for s in inner_state_dict["state"].values()', 839: "assert len(steps) == 1"},
+         "without Transformer Engine or Apex, DistributedOptimizer.state_dict asserts exactly one AdamW step "
+         "among torch's per-parameter states; a fresh optimizer has none yet, and Megatron-LM's load_checkpoint "
+         "builds that state dict before it loads (generate_state_dict -> sharded_state_dict)", proxy=None),
+    Shim("torch_adam_shared_step", "megatron.core.optimizer.distrib_optimizer",
+         {1028: 'step = torch.tensor(steps[0], dtype=torch.float)', 1032: 's["step"] = step'},
+         "without Transformer Engine or Apex, DistributedOptimizer.load_state_dict gives every parameter's AdamW "
+         "state the same step tensor; torch increments each parameter's step in place, so the first step after "
+         "a resume counted one step per parameter (a model of 28 tensors went from step 5 to 33) and the "
+         "bias corrections, hence every later loss, left the uninterrupted run's", proxy=None),
+    Shim("dp_reshardable_resume", "megatron.core.optimizer.distrib_optimizer",
+         {2061: "def load_parameter_state_from_dp_reshardable(self, state_dict):",
+          1115: "if isinstance(v, torch.Tensor):", 1225: "dst_tensors[key].copy_(tensors[key])"},
+         "loading the default dp_reshardable format copies every tensor of torch's AdamW state into place: "
+         "outside torch.no_grad() (its siblings for the other formats have it), which fails in fp32, where the "
+         "main parameters are views of the weights (a view of a leaf Variable used in-place); and with the "
+         "'step' tensor of the empty state the load was planned on, which sets AdamW's step back to 0 after "
+         "load_state_dict restored it", proxy=None),
+)
 
 #: Method shims: a method of a megatron-core class runs with ``Tensor.cuda()`` returning the
 #: tensor itself (CPU), only for the duration of that call. {shim: (class name, method name)}.
@@ -518,6 +546,73 @@ def use_prebuilt_dataset_helpers() -> None:
     if utils.compile_helpers is not _prebuilt_helpers_or_make:
         _state["originals"][("dataset_helpers", "compile_helpers")] = utils.compile_helpers
         utils.compile_helpers = _prebuilt_helpers_or_make
+
+
+def _state_dict_of_a_fresh_optimizer(original):
+    """``DistributedOptimizer.state_dict`` that also works before torch's AdamW has stepped: it then holds no
+    per-parameter state, and the state dict gets step 0, as torch's own optimizer would start from. Loading
+    replaces it with the checkpoint's step (``load_state_dict`` reads it from the param groups)."""
+    def state_dict(self):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = self.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if distrib_optimizer.HAVE_APEX_OR_TE or len(inner.state) > 0 or not params:
+            return original(self)
+        inner.state[params[0]] = {"step": torch.tensor(0.0)}  # one step value for the assertion to find
+        try:
+            return original(self)
+        finally:
+            inner.state.clear()  # fresh again: load_state_dict allocates the real state
+    return state_dict
+
+
+def _load_with_a_step_per_parameter(original):
+    """``DistributedOptimizer.load_state_dict`` whose AdamW states end with a step tensor each (equal values)."""
+    def load_state_dict(self, state_dict):
+        out = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return out
+    return load_state_dict
+
+
+def _load_keeping_the_step(original):
+    """``load_parameter_state_from_dp_reshardable`` under ``torch.no_grad()``, without the ``step`` tensors the
+    loaded buckets carry (torch's AdamW keeps its step per parameter; the checkpoint's step is the param
+    groups', which ``load_state_dict`` has restored already). Tensors of other names load as before."""
+    def forget_steps(value: Any) -> None:
+        if isinstance(value, dict):
+            if "param" in value and isinstance(value.get("step"), torch.Tensor):
+                value["step"] = None  # not a tensor: _set_main_param_and_optimizer_states skips it
+            for item in value.values():
+                forget_steps(item)
+        elif isinstance(value, list):
+            for item in value:
+                forget_steps(item)
+
+    @torch.no_grad()
+    def load(self, state_dict):
+        forget_steps(state_dict)
+        return original(self, state_dict)
+    return load
+
+
+def resume_distributed_optimizer() -> None:
+    """Let a ``--use-distributed-optimizer`` run resume from its checkpoint (see :data:`RESUME_SHIMS`): with
+    torch's AdamW the state dict of a fresh optimizer gets step 0, each parameter its own step tensor, and the
+    dp_reshardable format loads under ``torch.no_grad()`` and keeps the checkpoint's step. Idempotent; needed on
+    GPUs too (torch's AdamW without TE or Apex; fp32 weights). Source: megatron/core/optimizer/distrib_optimizer.py."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for shim, method, wrap in ((RESUME_SHIMS[0], "state_dict", _state_dict_of_a_fresh_optimizer),
+                               (RESUME_SHIMS[1], "load_state_dict", _load_with_a_step_per_parameter),
+                               (RESUME_SHIMS[2], "load_parameter_state_from_dp_reshardable", _load_keeping_the_step)):
+        if (shim.name, method) not in _state["originals"]:
+            original = getattr(DistributedOptimizer, method)
+            _state["originals"][(shim.name, method)] = original
+            setattr(DistributedOptimizer, method, functools.wraps(original)(wrap(original)))
 
 
 # --------------------------------------------------------------------------- method shims
