@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.runner import data_stage, launch, preflight, series, timings
-from helpers.learn import memory, model, preprocess, training_config
+from helpers.learn import checkpointing, memory, model, preprocess, training_config
 
 
 @pytest.fixture(scope="module")
@@ -296,3 +296,25 @@ def test_a_checkpoint_at_iteration_0_is_resumed_from_and_a_failed_launch_puts_th
     (cfg.checkpoint_path / "latest_checkpointed_iteration.txt").write_text("-3")
     with pytest.raises(ValueError, match="holds '-3', not an iteration number"):
         preflight.check_run(cfg, nproc=1)
+
+
+def test_a_resume_the_load_would_refuse_is_refused_up_front(tmp_path):
+    """Issue 39's resume matrix, the combinations Megatron-LM's load refuses after start-up (measured on 0.19.2):
+    a distributed-optimizer checkpoint at another TP or PP size, and switching the distributed optimizer on or off.
+    Everything else resumes: DP 1 <-> 2 with and without it, TP and PP 1 <-> 2 without it."""
+    saved = {"iteration": 6, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "use_distributed_optimizer": True, "dist_ckpt_optim_fully_reshardable": False}
+    checkpointing.check_layout(saved, 1, 1, True, tmp_path)  # any DP size: no TP/PP in the call
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="asks for TP=1, PP=2.*dp_reshardable"):
+        checkpointing.check_layout(saved, 1, 2, True, tmp_path)
+    checkpointing.check_layout({**saved, "dist_ckpt_optim_fully_reshardable": True}, 2, 1, True, tmp_path)
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved with the distributed optimizer.*"
+                       "Fix: resume with use_distributed_optimizer=True"):
+        checkpointing.check_layout(saved, 1, 1, False, tmp_path)
+    plain = {**saved, "use_distributed_optimizer": False}
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved without the distributed optimizer"):
+        checkpointing.check_layout(plain, 1, 1, True, tmp_path)
+    for tp, pp in ((2, 1), (1, 2)):
+        checkpointing.check_layout(plain, tp, pp, False, tmp_path)
+    checkpointing.check_layout({"iteration": 0}, 2, 2, True, tmp_path)  # the series' own weights-only save
+

@@ -519,27 +519,6 @@ def test_a_distributed_optimizer_run_resumes_at_another_data_parallel_size(unint
     assert (cfg.run_path / "training.log").stat().st_mtime_ns == log and checkpointing.latest_iteration(cfg.checkpoint_path) == 12
 
 
-def test_a_resume_the_load_would_refuse_is_refused_up_front(tmp_path):
-    """Issue 39's resume matrix, the combinations Megatron-LM's load refuses after start-up (measured on 0.19.2):
-    a distributed-optimizer checkpoint at another TP or PP size, and switching the distributed optimizer on or off.
-    Everything else resumes: DP 1 <-> 2 with and without it, TP and PP 1 <-> 2 without it."""
-    saved = {"iteration": 6, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-             "use_distributed_optimizer": True, "dist_ckpt_optim_fully_reshardable": False}
-    checkpointing.check_layout(saved, 1, 1, True, tmp_path)  # any DP size: no TP/PP in the call
-    with pytest.raises(checkpointing.CheckpointMismatchError, match="asks for TP=1, PP=2.*dp_reshardable"):
-        checkpointing.check_layout(saved, 1, 2, True, tmp_path)
-    checkpointing.check_layout({**saved, "dist_ckpt_optim_fully_reshardable": True}, 2, 1, True, tmp_path)
-    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved with the distributed optimizer.*"
-                       "Fix: resume with use_distributed_optimizer=True"):
-        checkpointing.check_layout(saved, 1, 1, False, tmp_path)
-    plain = {**saved, "use_distributed_optimizer": False}
-    with pytest.raises(checkpointing.CheckpointMismatchError, match="saved without the distributed optimizer"):
-        checkpointing.check_layout(plain, 1, 1, True, tmp_path)
-    for tp, pp in ((2, 1), (1, 2)):
-        checkpointing.check_layout(plain, tp, pp, False, tmp_path)
-    checkpointing.check_layout({"iteration": 0}, 2, 2, True, tmp_path)  # the series' own weights-only save
-
-
 @pytest.mark.parametrize("layout", [dict(tensor_model_parallel_size=2), dict(pipeline_model_parallel_size=2)],
                          ids=["tp1-to-tp2", "pp1-to-pp2"])
 def test_a_run_resumes_at_another_tensor_or_pipeline_size(uninterrupted, data, tmp_path, layout):
