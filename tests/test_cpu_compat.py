@@ -386,7 +386,10 @@ def test_apply_before_megatron_training_is_imported_patches_it_on_import():
     """The README's recipe for Megatron-LM's own pretrain_gpt.py: cpu_compat.apply() first, then the script's
     `from megatron.training import ...`. apply() alone leaves megatron.training unimported (root logger at
     WARNING, 30); the import installs the shims, so initialize_megatron's `assert torch.cuda.is_available()`
-    (initialize.py:66) sees the CPU as the device, and the JIT warm-up on CUDA tensors is replaced."""
+    (initialize.py:66) sees the CPU as the device, and the JIT warm-up on CUDA tensors is replaced; the wheel's
+    prebuilt dataset helpers are used instead of `make` (which exits). Tried against Megatron-LM's own
+    pretrain_gpt.py (core_v0.19.0) with the series' CPU flags: it then stops in get_batch's `.cuda()`, as the
+    README says."""
     import subprocess
     import sys
 
@@ -400,12 +403,13 @@ def test_apply_before_megatron_training_is_imported_patches_it_on_import():
              "      type(checkpointing.torch).__name__)\n"
              "print(initialize._warmup_jit_function is cpu_compat._no_jit_warmup,\n"
              "      initialize_megatron.__globals__['torch'] is initialize.torch)\n"
+             "from megatron.core.datasets import utils\nprint(utils.compile_helpers())\n"
              "cpu_compat.revert()\nprint(initialize.torch.cuda.is_available())\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False", "30", "True", "True", "CpuTorch", "True", "1", "CpuTorch",
-                                  "CpuTorch", "True", "True", "False"]
+                                  "CpuTorch", "True", "True", "None", "False"]
 
 
 def _distributed_optimizer():

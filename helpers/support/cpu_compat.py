@@ -823,6 +823,8 @@ def apply(force: bool = False, training: bool | None = None) -> bool:
         from helpers.support import run_guard
 
         run_guard.checkpoint_queue_in_process()  # not a CUDA matter: no helper process left behind by a save
+        use_prebuilt_dataset_helpers()  # nor these two: so that Megatron-LM's own pretrain_gpt.py runs after apply()
+        resume_distributed_optimizer()
         _state["applied"] = True
     if training and not _state["training_applied"]:
         _remove_hook()
