@@ -19,7 +19,7 @@ _spec.loader.exec_module(prose_check)
 #: Notebooks whose rewrite for issue 38 is not finished: their measure may not grow past these (a ratchet; 03's
 #: sentences are within the reader's bounds, its cells not yet);
 #: the reader's bounds apply once an entry is removed.
-PENDING = {"03_training": {"mean": 20.0, "p90": 35, "max": 60, "cells": 60}}
+PENDING = {"03_training": {"mean": 20.0, "p90": 35, "max": 60, "cells": 51}}
 
 
 @pytest.mark.parametrize("path", series.notebooks(), ids=lambda p: p.stem)
