@@ -16,19 +16,9 @@ prose_check = sys.modules["prose_check"] = importlib.util.module_from_spec(_spec
 _spec.loader.exec_module(prose_check)
 
 
-#: Notebooks whose rewrite for issue 38 is not finished: their measure may not grow past these (a ratchet; 03's
-#: sentences are within the reader's bounds, its cells not yet);
-#: the reader's bounds apply once an entry is removed.
-PENDING = {"03_training": {"mean": 20.0, "p90": 35, "max": 60, "cells": 51}}
-
-
 @pytest.mark.parametrize("path", series.notebooks(), ids=lambda p: p.stem)
 def test_each_notebooks_sentences_and_cells_are_within_the_readers_bounds(path):
     stats = prose_check.measure(path)
-    if path.stem in PENDING:
-        grown = stats.breaches(PENDING[path.stem])
-        assert not grown, f"{path.name} grew past its measure of issue 38's start: {', '.join(grown)}"
-        return
     longest = "; ".join(f"{n} words: {text[:120]}" for n, text in stats.longest(3))
     assert not stats.breaches(), f"{path.name}: {', '.join(stats.breaches())}. Longest: {longest}"
 
