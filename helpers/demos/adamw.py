@@ -110,20 +110,14 @@ def benchmark_adamw(params: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
                     rtol: float = 1.3e-6, atol: float = 1e-5, seed: int = 0) -> AdamWBenchmark:
     """Time ``optimizer.step()`` of each AdamW implementation and check they agree.
 
-    Every implementation starts from copies of the same ``params`` and gets the same
-    gradients (``cos(k) g1 + sin(k) g2`` at step k, seeded). After ``check_steps`` steps each
-    result is compared with the for-loop's, within ``rtol``/``atol`` (torch.testing's float32
-    defaults). Timing then steps each copy further, interleaved (:func:`time_calls`).
+    Every implementation starts from copies of the same ``params`` (not modified) and gets the same
+    gradients (``cos(k) g1 + sin(k) g2`` at step k, seeded). After ``check_steps`` steps each result is
+    compared with the for-loop's (always added: the reference) within ``rtol``/``atol`` (torch.testing's
+    float32 defaults); timing then steps each copy further, interleaved (:func:`time_calls`).
 
     Args:
-        params: the tensors to optimise, e.g. :func:`model_parameters` (not modified).
-        device: where to run (default: CUDA when available).
-        implementations: subset of :data:`helpers.learn.optimizer.ADAMW_IMPLEMENTATIONS`; "for-loop" is always added
-            (it is the reference).
+        implementations: subset of :data:`helpers.learn.optimizer.ADAMW_IMPLEMENTATIONS`.
         check_steps, warmup, repeats: steps before the check; timing warm-up and repeats.
-        lr, betas, eps, weight_decay: AdamW hyper-parameters.
-        rtol, atol: agreement tolerance.
-        seed: gradient seed.
 
     Returns:
         :class:`AdamWBenchmark`.

@@ -1,15 +1,9 @@
 """Notebook 06's proofs that the conversion is exact, and its pictures.
 
-* section 2: :func:`legacy_converter_report` (why the guide's 2022 command does not apply);
-* section 3: :func:`qkv_rows`, :func:`qkv_order`, :func:`qkv_layout_figure`, :func:`qkv_head_table` (the QKV
-  layouts of GPT-2 and of a Llama with grouped-query attention, drawn and checked);
-* section 5: :func:`tokenizer_files_identical`;
-* section 7: :func:`megatron_logits`, :func:`hf_logits`, :func:`compare_logits`, :func:`logit_differences`,
-  :func:`logit_difference_figure`, :func:`validation_tokens` (the same logits);
-* section 8: :func:`validation_loss`, :func:`compare_validation_loss` (the same validation loss);
-* section 9: the same greedy tokens: ``helpers.demos.generation``;
-* sections 10 and 12: :func:`compare_hf_folders` (bit-identical folders);
-* section 11: :func:`parameter_devices`, :func:`push_to_hub`.
+* section 2: why the guide's 2022 converter does not apply; section 3: the QKV layouts of GPT-2 and a
+  grouped-query Llama, drawn and checked; section 5: the tokenizer files identical;
+* section 7: the same logits; section 8: the same validation loss (also 07 §2); section 9: the same greedy
+  tokens (``helpers.demos.generation``); sections 10 and 12: bit-identical folders; section 11: the hub push.
 
 Sources: Megatron-LM ``megatron/training/training.py`` (``evaluate``: per micro-batch loss-masked
 mean, then the mean); transformers ``generation/utils.py`` (``generate``), ``modeling_utils.py``
@@ -279,21 +273,17 @@ def logit_difference_figure(reference: torch.Tensor, converted: torch.Tensor, ma
                             tolerance: float = 1e-4):
     """How far transformers' logits are from megatron-core's: |difference| against the logit, and its histogram.
 
-    The logits themselves agree so closely that a scatter of one against the other is the
-    diagonal; this draws the disagreement instead. Left: ``|transformers - megatron-core|``
-    (log scale) against the megatron-core logit for ``max_points`` logits sampled with a fixed
-    seed, beside the spacing of float32 numbers at that value (``|x| * 2**-23``: the size of one
-    rounding) and the tolerance. Right: the histogram of ``log10 |difference|`` over every logit.
-    Differences of exactly 0 are drawn at :data:`ZERO_FLOOR`.
+    Left: ``|transformers - megatron-core|`` (log scale) against the megatron-core logit for ``max_points``
+    logits sampled with a fixed seed, beside the float32 spacing at that value (``|x| * 2**-23``) and the
+    ``tolerance`` (nats). Right: the histogram of ``log10 |difference|`` over every logit. Differences of
+    exactly 0 are drawn at :data:`ZERO_FLOOR`.
 
     Args:
         reference: megatron-core logits ``[b, s, V_pad]``; converted: transformers ``[b, s, V]``.
-        max_points: logits drawn in the left panel.
-        tolerance: the acceptance threshold drawn in both panels (nats).
 
     Returns:
-        A matplotlib ``Figure`` (two panels, titled and labelled); the left panel's first
-        collection holds the sampled ``(logit, |difference|)`` points.
+        A matplotlib ``Figure`` (two panels); the left panel's first collection holds the sampled
+        ``(logit, |difference|)`` points.
 
     Raises:
         ValueError: see :func:`compare_logits`.
@@ -360,19 +350,14 @@ def validation_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], dataset, 
     """LM loss (nats/token) over samples ``first_sample ..`` ``first_sample + num_samples - 1`` of a
     ``GPTDataset``, as Megatron-LM's ``evaluate`` computes it.
 
-    Micro-batches of ``micro_batch_size`` consecutive samples; the loss-masked token
-    cross-entropy summed over all of them, divided by the number of tokens counted
-    (``pretrain_gpt.loss_func``'s ``[loss sum, tokens]``, summed by ``evaluate``).
+    Micro-batches of ``micro_batch_size`` consecutive samples; the loss-masked token cross-entropy summed
+    over all of them, divided by the tokens counted (``pretrain_gpt.loss_func``'s ``[loss sum, tokens]``).
 
     Args:
         logits_fn: ``tokens [b, s]`` -> logits ``[b, s, V']`` (megatron-core or transformers).
         dataset: a megatron-core ``GPTDataset`` (``tokens``, ``labels``, ``loss_mask``).
-        num_samples: samples to evaluate (``eval_iters x global_batch_size``); must be a
-            multiple of ``micro_batch_size``.
-        first_sample: where the evaluation starts in ``dataset`` (each evaluation of Megatron-LM's
-            loop reads the next ``eval_iters`` batches).
-        vocab_size: use only the first ``vocab_size`` logit columns (drops padding columns);
-            None keeps all, as megatron-core's own loss does.
+        num_samples: ``eval_iters x global_batch_size``; a multiple of ``micro_batch_size``.
+        vocab_size: use only the first ``vocab_size`` logit columns (drops padding); None keeps all.
 
     Returns:
         The mean loss (float).
@@ -430,24 +415,15 @@ def compare_validation_loss(run_dir: str | os.PathLike, hf_model, megatron_model
                             progress: bool = False) -> ValidationComparison:
     """Validation loss of the transformers model on exactly the batches training evaluated.
 
-    Rebuilds the validation ``GPTDataset`` from the run's ``run.json``
-    (``helpers.learn.dataloader.build_run_datasets``: same split, seed, sequence length and index
-    cache) and evaluates the ``eval_iters x global_batch_size`` samples Megatron-LM's loop read
-    for its evaluation at ``iteration`` (the ``k``-th evaluation, ``k = iteration // eval_interval``,
-    reads the ``k``-th block of that many samples), in micro-batches of ``micro_batch_size``, as
-    its ``evaluate`` does (:func:`validation_loss`).
-
-    The transformers model has no padding columns, so its softmax runs over the real
-    vocabulary; megatron-core's runs over the padded one. With padding, training's loss is
-    higher by the mean of ``-log(1 - p_pad)`` (``p_pad``: probability the model puts on
-    padding ids); ``megatron_loss_real_vocab`` equals the transformers loss exactly.
+    Rebuilds the validation ``GPTDataset`` from the run's ``run.json`` (same split, seed, sequence length
+    and index cache) and evaluates the samples Megatron-LM's evaluation at ``iteration`` read (the
+    ``k``-th block of ``eval_iters x global_batch_size``, ``k = iteration // eval_interval``) with
+    :func:`validation_loss`. megatron-core's softmax runs over the padded vocabulary, so training's loss
+    is higher by the mean of ``-log(1 - p_pad)``; ``megatron_loss_real_vocab`` equals the transformers loss.
 
     Args:
-        run_dir: the run folder (``run.json``, ``metrics.jsonl``, data).
-        hf_model: the converted transformers model (eval mode).
         megatron_model: optional megatron-core ``GPTModel`` of the same checkpoint.
-        iteration: the checkpoint's iteration, a multiple of ``eval_interval`` (its logged
-            validation loss is returned); default the last evaluation during training.
+        iteration: a multiple of ``eval_interval``; default the last evaluation during training.
 
     Raises:
         FileNotFoundError: no ``run.json`` in ``run_dir`` (train with helpers.runner.launch.train first).

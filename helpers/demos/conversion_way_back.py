@@ -1,11 +1,8 @@
 """Notebook 06 sections 12-13: the way back, transformers -> megatron-core checkpoint, and training on.
 
 :func:`hf_to_megatron_checkpoint` writes a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` folder as a
-torch_dist checkpoint of the model (``helpers.learn.conversion.hf_to_megatron_state_dict`` or
-``helpers.learn.llama.llama_to_megatron_state_dict``, the weight map inverted, then
-``helpers.learn.checkpointing.model_from_checkpoint`` and ``save_model``);
-:func:`continuation_config` is the ``TrainingConfig`` whose Megatron-LM run starts from it
-(``--pretrained-checkpoint``: the weights, a fresh optimizer, iteration 0). Command line::
+torch_dist checkpoint; :func:`continuation_config` is the ``TrainingConfig`` whose Megatron-LM run starts
+from it (``--pretrained-checkpoint``: the weights, a fresh optimizer, iteration 0). Command line::
 
     python -m helpers.demos.conversion_way_back HF_DIR CHECKPOINT_DIR [--iteration N] [--overwrite]
 
@@ -95,24 +92,15 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, checkpoint_dir: str | o
                               make_vocab_size_divisible_by: int = 128) -> Path:
     """Write a transformers GPT-2 or Llama folder as a megatron-core torch_dist checkpoint (TP=1).
 
-    The checkpoint has Megatron's layout (``iter_NNNNNNN/``, ``latest_checkpointed_iteration.txt``)
-    and holds the model only, with a ``model_config.json`` that says what it is (it has no
-    Megatron-LM ``args``). Megatron-LM's loop starts from it with ``--pretrained-checkpoint``
-    (:func:`continuation_config`): the weights, a fresh optimizer and learning-rate schedule,
-    iteration 0; ``helpers.learn.conversion`` converts it back.
-
-    Must run in a process whose main module is import-guarded (a notebook, pytest, or
-    ``python -m``): megatron-core's torch_dist writer spawns a helper process.
+    Megatron's layout (``iter_NNNNNNN/``, ``latest_checkpointed_iteration.txt``), the model only, with a
+    ``model_config.json`` (no Megatron-LM ``args``); Megatron-LM's loop starts from it with
+    ``--pretrained-checkpoint`` (:func:`continuation_config`). Must run where the main module is
+    import-guarded (a notebook, pytest, ``python -m``): the torch_dist writer spawns a process.
 
     Args:
-        hf_dir: folder with ``config.json`` + weights of a ``GPT2LMHeadModel`` or ``LlamaForCausalLM``, and
-            optionally its tokenizer (recorded as ``tokenizer_dir`` when present).
-        checkpoint_dir: the checkpoints folder to create.
-        training_config: optional ``TrainingConfig`` that will train from it: its ``model`` must
-            equal the converted one (checked here, before anything is written).
-        iteration: iteration number of the checkpoint.
-        overwrite: replace an existing checkpoint in ``checkpoint_dir``.
-        make_vocab_size_divisible_by: Megatron's vocabulary padding multiple.
+        hf_dir: ``config.json`` + weights of a ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (+ its tokenizer).
+        training_config: optional ``TrainingConfig`` whose ``model`` must equal the converted one
+            (checked before anything is written).
 
     Returns:
         The ``iter_NNNNNNN`` folder.

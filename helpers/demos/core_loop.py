@@ -1,21 +1,15 @@
-"""Notebook 03's megatron-core training loop in one module: the calls Megatron-LM's loop makes.
+"""Notebook 03's megatron-core training loop (section 5's cells) as functions, for the tests and the benchmarks.
 
-Notebook 03 (section 5) writes these calls out in cells, one library call at a time; this module
-is those cells as functions, for the tests and the benchmarks. Megatron-LM's own loop
-(:mod:`helpers.learn.pretrain_gpt`) makes the same calls, behind its flags: from the same
-configuration both give the same loss at every iteration, bit for bit on a CPU (tested)::
+From the same configuration, Megatron-LM's loop (:mod:`helpers.learn.pretrain_gpt`) gives the same loss at
+every iteration, bit for bit on a CPU (tested)::
 
     loop = core_loop.setup(cfg)            # process groups, seeds, data, GPTModel + DDP, optimizer, schedule
     for _ in range(cfg.train_iters):
         out = core_loop.train_step(loop)    # {"lm_loss", "grad_norm", "lr"}
 
-Under ``torchrun`` with several processes the same code is data-parallel (and TP/PP as
-``cfg`` says). On a machine without CUDA, ``helpers.support.cpu_compat.apply()`` must run first
-(``helpers.learn.distributed.initialize_distributed`` does it).
-
+Without CUDA, ``helpers.support.cpu_compat.apply()`` must run first (``initialize_distributed`` does it).
 Sources: Megatron-LM ``examples/run_simple_mcore_train_loop.py``; ``megatron/training/training.py``
-(``setup_model_and_optimizer``, ``get_optimizer_param_scheduler``, ``train_step``);
-``pretrain_gpt.py`` (``loss_func``, ``forward_step``).
+(``setup_model_and_optimizer``, ``get_optimizer_param_scheduler``, ``train_step``); ``pretrain_gpt.py``.
 """
 
 from __future__ import annotations

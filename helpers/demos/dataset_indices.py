@@ -86,16 +86,13 @@ def packing_counts(dataset) -> dict[str, np.ndarray]:
     """How ``GPTDataset`` packs documents into samples, counted from its sample and document indices.
 
     Sample ``j`` reads the document-index entries ``sample_index[j][0]`` to ``sample_index[j + 1][0]``
-    (both included; the last one at least for its extra label token), exactly as
-    ``GPTDataset._query_document_sample_shuffle_indices`` reads them, so a sample reads
-    ``end - beg + 1`` documents; :func:`sample_spans` lists the same parts one by one.
+    (both included), as ``GPTDataset._query_document_sample_shuffle_indices`` reads them.
 
     Returns:
         ``{"documents_per_sample"}``: ``[num_samples]`` int64, the documents sample ``j`` reads
         (sample-index order); ``{"samples_per_entry", "entry_lengths"}``: ``[entries]`` int64, for
-        every document-index entry the samples read from it, from the first entry up to the last one a
-        sample reads (a document of several epochs counts once per epoch), and that document's length
-        in tokens (its EOD included).
+        every document-index entry up to the last one read, the samples reading it (a document of
+        several epochs counts once per epoch) and its length in tokens (EOD included).
     """
     si = np.asarray(dataset.sample_index, dtype=np.int64)
     beg, end = si[:-1, 0], si[1:, 0]
@@ -136,10 +133,8 @@ def naive_epoch_loop(sequence_lengths: np.ndarray, documents: Sequence[int], dat
                      num_samples: int, seed: int = 1234) -> dict[str, Any]:
     """The loop Megatron's indices replace: reshuffle, concatenate and cut again every epoch.
 
-    Each epoch it shuffles the documents, reads and concatenates all their tokens, cuts them
-    into ``seq_length + 1`` windows and shuffles those, then yields samples until
-    ``num_samples`` were drawn. Everything is recomputed per epoch, on every restart, and to
-    resume at sample k it must replay the first k samples.
+    Each epoch shuffles the documents, concatenates their tokens, cuts them into ``seq_length + 1``
+    windows and shuffles those, until ``num_samples`` were drawn; resuming at sample k replays k samples.
 
     Args:
         sequence_lengths: tokens per document (for the counts only).

@@ -14,11 +14,9 @@ from typing import Any, Mapping, Sequence
 def training_seconds(train_records: Sequence[Mapping[str, Any]], iterations: Sequence[int]) -> list[float]:
     """Seconds of training up to each of ``iterations``, from the train records of ``metrics.jsonl``.
 
-    Each record (``helpers.runner.metrics.from_megatron_lm``) holds ``iteration`` and ``s_per_iter``, the mean
-    wall time of the iterations since the previous record (``log_interval`` of them; evaluation,
-    samples and checkpoint saves are not counted). The time at iteration ``i`` is the sum of
-    ``s_per_iter x iterations`` over the records up to ``i``; an ``i`` inside a logging interval
-    takes that interval's ``s_per_iter`` for its share. Iteration 0 is 0 s.
+    Each record's ``s_per_iter`` is the mean wall time of the iterations since the previous record
+    (evaluation, samples and checkpoint saves not counted); the time at iteration ``i`` sums
+    ``s_per_iter x iterations`` up to ``i``, pro rata inside an interval. Iteration 0 is 0 s.
 
     Args:
         train_records: ``read_metrics(...)["train"]``, in iteration order.
@@ -97,9 +95,8 @@ def curve_figure(points: Mapping[str, Sequence[tuple[float, float, int]]], basel
                  baseline_name: str = "gzip -9"):
     """Bits per byte of each held-out set against training time, with a baseline's level as a line.
 
-    The checkpoint iterations are the ticks of a top axis (:func:`iteration_ticks`) rather than
-    labels beside each point, which overlapped where the held-out sets' curves run close. The
-    legend sits outside the axes, to the right.
+    The checkpoint iterations are the ticks of a top axis (:func:`iteration_ticks`); the legend sits
+    outside the axes, to the right.
 
     Args:
         points: ``{held-out set: [(training seconds, bits per byte, iteration), ...]}``.

@@ -1,15 +1,9 @@
 """Notebook 04, sections 3, 4 and 6: megatron-core's fused kernels against eager and ``torch.compile``, measured.
 
-* section 3: megatron's fused bias-GELU computes the tanh GELU, not erf (:func:`gelu_forms`,
-  :func:`plot_gelu_difference`, :func:`megatron_jit_fuser`);
-* section 4: every implementation of the four element-wise chains this machine can run
-  (:func:`fusion_candidates`: megatron-core's unfused and fused paths, ``torch.compile``, torch's
-  native LayerNorm, and on a GPU Apex, Transformer Engine and megatron's fused softmax kernel),
-  timed and checked (:func:`benchmark_fusions`, :func:`plot_speedups`);
-* section 6: what was skipped on this machine, and why (:attr:`FusionBenchmark.skipped`).
-
-The bytes and FLOPs of each form come from :func:`helpers.demos.roofline.traffic_model`, the
-clock from :func:`helpers.demos.timing.time_calls`.
+Section 3: megatron's fused bias-GELU computes the tanh GELU, not erf. Section 4: every implementation of
+the four element-wise chains this machine can run, timed and checked. Section 6: what was skipped here,
+and why. Bytes and FLOPs come from :func:`helpers.demos.roofline.traffic_model`, the clock from
+:func:`helpers.demos.timing.time_calls`.
 
 Sources: megatron-core 0.19.2 ``megatron/core/fusions/fused_bias_gelu.py``,
 ``fused_bias_dropout.py``, ``fused_softmax.py``, ``fused_layer_norm.py``,
@@ -64,11 +58,9 @@ def megatron_jit_fuser() -> str:
 def gelu_forms(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """GELU of ``x`` three ways: exact erf, torch's tanh approximation, megatron's formula.
 
-    megatron-core's fused bias-GELU (``bias_activation_fusion=True``) computes
-    ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))`` (the tanh
-    approximation of Hendrycks & Gimpel 2016), while its unfused path calls ``F.gelu``, the
-    exact ``x * 0.5 * (1 + erf(x / sqrt(2)))``. A converted model must name the one training
-    computed (transformers: ``"gelu"`` for erf, ``"gelu_new"`` for tanh).
+    megatron-core's fused bias-GELU computes ``x * 0.5 * (1 + tanh(0.79788456 * x * (1 + 0.044715 * x * x)))``
+    (Hendrycks & Gimpel 2016's tanh form); its unfused path calls the exact erf ``F.gelu``. A converted
+    model must name the one training computed (transformers: ``"gelu"`` for erf, ``"gelu_new"`` for tanh).
 
     Args:
         x: any shape, floating dtype.
@@ -154,18 +146,14 @@ def fusion_candidates(op: str, shape: Sequence[int], *, device: str = "cpu",
                       dropout_prob: float = 0.1, seed: int = 0) -> tuple[list[Candidate], dict[str, str]]:
     """The implementations of ``op`` this machine can run, and why the others are skipped.
 
-    The first candidate of each op is its eager (unfused) baseline, megatron-core's own
-    unfused path where it has one. Inputs are made once (seeded) and reused.
+    The first candidate is the eager (unfused) baseline, megatron-core's own unfused path where it has
+    one. Inputs are made once (seeded) and reused.
 
     Args:
         op: one of :data:`helpers.demos.roofline.FUSED_OPS`.
         shape: see :func:`helpers.demos.roofline.traffic_model`.
-        device: ``"cpu"`` or ``"cuda"``.
-        dtype: activation dtype.
-        include_compile: add ``torch.compile`` forms (a few seconds of compilation each,
-            cached on disk by Inductor afterwards).
+        include_compile: add ``torch.compile`` forms (a few seconds of compilation each, cached by Inductor).
         dropout_prob: bias_dropout_add's dropout probability (Megatron-LM default 0.1).
-        seed: input seed.
 
     Returns:
         ``(candidates, skipped)`` with ``skipped = {name: reason}``.
@@ -369,16 +357,14 @@ def benchmark_fusions(shapes: Mapping[str, Sequence[int]], *, device: str = "cpu
                       min_repeat_s: float = 0.005, progress: bool = True) -> FusionBenchmark:
     """Time every available implementation of each op (forward, no autograd) and check it.
 
-    For each op the candidates of :func:`fusion_candidates` are timed together with
-    :func:`time_calls` (interleaved repeats); speedups are relative to the op's eager baseline
-    measured in the same call. Each result is checked against an fp32 reference of the same
-    formula (erf or tanh GELU, dropout's kept/dropped values) and the max abs deviation kept.
+    The candidates of :func:`fusion_candidates` are timed together with :func:`time_calls`; speedups are
+    relative to the op's eager baseline in the same call. Each result is checked against an fp32
+    reference of the same formula and the max abs deviation kept.
 
     Args:
         shapes: ``{op: shape}``, e.g. :func:`op_shapes`.
         device, dtype, include_compile, dropout_prob: see :func:`fusion_candidates`.
         warmup, repeats, min_repeat_s: see :func:`time_calls`.
-        progress: show a tqdm bar over the ops.
 
     Returns:
         :class:`FusionBenchmark`.

@@ -16,24 +16,17 @@ def greedy_generate(gpt, prompt_ids: list[int], max_new_tokens: int = 32, eod_id
                     repetition_penalty: float = 1.0, *, vocab_size: int | None = None) -> list[int]:
     """Greedy decoding with a (TP=1, single-stage) GPTModel: append the argmax token each step.
 
-    No KV cache: the whole (cropped) context is recomputed per token, which is fine for a
-    short sample; megatron-core has no ``generate``. Padded vocabulary rows (ids >= the
-    tokenizer's size) are never chosen, as Megatron's inference restricts sampling to the
-    tokenizer's vocabulary. While the text fits the position table and with
-    ``repetition_penalty=1.0`` this is what transformers' ``generate(do_sample=False)`` computes
-    (notebook 06 shows both give the same tokens).
+    No KV cache: the whole (cropped) context is recomputed per token; megatron-core has no ``generate``.
+    Padded vocabulary rows (ids >= the tokenizer's size) are never chosen, as in Megatron's inference.
+    Within the position table and with ``repetition_penalty=1.0`` this is transformers'
+    ``generate(do_sample=False)`` (notebook 06 shows the same tokens).
 
     Args:
-        gpt: a ``GPTModel`` (eval mode).
         prompt_ids: token ids of the prompt (at least one).
-        max_new_tokens: tokens to add.
         eod_id: stop early at this id (``<|endoftext|>``).
-        repetition_penalty: > 1 lowers the logits of tokens already in the context (divides
-            positive, multiplies negative logits), as in CTRL (Keskar et al. 2019) and
-            transformers' ``repetition_penalty``; 1.0 is plain greedy decoding. Small models
-            decoded greedily tend to loop on one token without it.
-        vocab_size: the tokenizer's size; default ``gpt.tokenizer_vocab_size`` (set by
-            ``checkpointing.load_model``), or every row when neither is set.
+        repetition_penalty: > 1 divides positive and multiplies negative logits of tokens already in the
+            context (CTRL, Keskar et al. 2019; transformers' ``repetition_penalty``); 1.0: plain greedy.
+        vocab_size: the tokenizer's size; default ``gpt.tokenizer_vocab_size``, else every row.
 
     Returns:
         prompt + generated token ids.

@@ -76,7 +76,6 @@ def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc
 
     Args:
         layout: TP, PP, DP sizes; world size = nnodes x nproc_per_node.
-        target: module and arguments run by every process.
         nnodes: machines; ``nproc_per_node`` GPUs each (default world size / nnodes).
         master_addr, master_port: node 0's address and port (a free local port by default).
 
@@ -84,9 +83,8 @@ def launch_plan(layout: Layout, target: Sequence[str], *, nnodes: int = 1, nproc
         ValueError: ``nnodes`` below 1, or the world size is not nnodes x nproc_per_node.
 
     Warns:
-        UserWarning: a TP group spans machines (TP all-reduces twice per layer in forward and
-            backward, so Megatron keeps TP inside a node's NVLink domain; Narayanan et al. 2021,
-            section 3.3).
+        UserWarning: a TP group spans machines (Megatron keeps TP's all-reduces inside a node's NVLink
+            domain; Narayanan et al. 2021, section 3.3).
     """
     from helpers.runner import launch
 
@@ -123,21 +121,16 @@ def sbatch_script(plan: LaunchPlan, *, job_name: str = "megatron-gpt", time_limi
                   megatron_lm_tag: str = MEGATRON_LM_TAG) -> str:
     """A SLURM batch script that starts ``plan`` with one torchrun per node.
 
-    ``srun`` runs one task per node; every torchrun meets the others through the c10d
-    rendezvous on the first node of the allocation (``--rdzv-backend c10d --rdzv-endpoint
-    head:port --rdzv-id $SLURM_JOB_ID``), so no node needs its rank written in.
+    ``srun`` runs one task per node; the torchruns meet through the c10d rendezvous on the allocation's
+    first node (``--rdzv-backend c10d --rdzv-endpoint head:port --rdzv-id $SLURM_JOB_ID``).
 
     Args:
-        container_image: run the tasks in it (pyxis/enroot ``--container-image``). The project's image
-            (``docker build -t <registry>/megatron-gpt-notebooks . && docker push ...``: the repository's
-            ``Dockerfile``, NGC PyTorch plus ``make install``) runs :data:`IMAGE_PYTHON`. A bare
-            ``nvcr.io/nvidia/pytorch`` image lacks megatron-core and transformers: the script first runs
-            ``make install`` in it once (``.venv`` in ``workdir``, a network on the node) and uses ``.venv``.
-            None: the cluster's own environment, ``torchrun`` on its PATH.
+        container_image: run the tasks in it (pyxis ``--container-image``). The repository's ``Dockerfile``
+            image runs :data:`IMAGE_PYTHON`; a bare ``nvcr.io/nvidia/pytorch`` image first gets ``make install``
+            (``.venv`` in ``workdir``, needs a network). None: the cluster's own ``torchrun``.
         workdir: the repository's folder on a file system every node mounts.
-        script: None runs the plan's module (``-m helpers.learn.pretrain_gpt``); a path such as
-            ``"Megatron-LM/pretrain_gpt.py"`` runs Megatron-LM's own script with the same flags, from a
-            checkout at ``megatron_lm_tag`` (cloned when its folder is missing, refused at another commit).
+        script: None runs ``-m helpers.learn.pretrain_gpt``; a path such as ``"Megatron-LM/pretrain_gpt.py"``
+            runs Megatron-LM's script, from a checkout at ``megatron_lm_tag`` (cloned if missing).
 
     Returns:
         The script text (submit it with ``sbatch``).

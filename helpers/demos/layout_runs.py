@@ -1,24 +1,15 @@
 """Training real layouts (TP=2, PP=2, DP=2) under torchrun and comparing them to one process.
 
-Notebook 05, section 4 ("Training for real: TP=2, PP=2 and DP=2 against one process"):
-:func:`comparison_config` (the config every layout shares), :func:`initial_checkpoint` (the
-TP=1 model's initial weights every layout starts from), :func:`run_layout`,
-:func:`loss_table`, :func:`compare_losses` (within :data:`LOSS_ATOL_FP32`), :func:`plot_losses`,
-:func:`timing_table`, :func:`plot_wall_times`, :func:`wall_time_summary` (4.3); section 7
-("Bad input stops before any process starts":
-:func:`run_layout` refuses a layout before launching); section 8 (the TP=2 run's checkpoint
-for notebook 06).
-
-Each layout is Megatron-LM's training loop (``helpers.learn.pretrain_gpt`` with the flags of
-:mod:`helpers.runner.megatron_args`), started by a one-node :class:`helpers.demos.launch_plans.LaunchPlan`.
-Entry point (started by torchrun through :mod:`helpers.runner.launch`)::
+Notebook 05, section 4 (the runs, their losses within :data:`LOSS_ATOL_FP32`, their wall times), section 7
+(a bad layout refused before launching) and section 8 (the TP=2 run's checkpoint for notebook 06). Each
+layout is Megatron-LM's loop (``helpers.learn.pretrain_gpt``), started by a one-node
+:class:`helpers.demos.launch_plans.LaunchPlan`. Entry point (started by torchrun)::
 
     python -m helpers.demos.layout_runs --config initial.json   # save the TP=1 initial weights
 
-Sources: Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053) section 3; Narayanan et al.
-2021 (arXiv:2104.04473) section 3 (composing PTD-P); Megatron-LM
-``megatron/training/initialize.py`` (``_set_random_seed``: per-stage seeds); megatron-core
-0.19.2 ``dist_checkpointing`` (resharding a checkpoint to another TP/PP).
+Sources: Shoeybi et al. 2019 (arXiv:1909.08053) section 3; Narayanan et al. 2021 (arXiv:2104.04473)
+section 3; Megatron-LM ``megatron/training/initialize.py`` (``_set_random_seed``: per-stage seeds);
+megatron-core 0.19.2 ``dist_checkpointing`` (resharding a checkpoint to another TP/PP).
 """
 
 from __future__ import annotations
@@ -54,18 +45,13 @@ class LayoutRun:
 
     Attributes:
         layout, name: the layout and its folder name under ``{run_dir}/parallelism``.
-        losses: LM loss (nats/token) of iterations 1..train_iters, in order.
-        s_per_iter: seconds per iteration as logged.
-        valid_losses: validation loss at the end of training (Megatron-LM's evaluation, then the
-            one after training, which reads the next validation batches).
+        losses: LM loss (nats/token) of iterations 1..train_iters; s_per_iter: seconds per iteration as logged.
+        valid_losses: validation losses (Megatron-LM's evaluations, then the one after training).
         wall_seconds: the torchrun job's wall time (imports, set-up, training, saving).
-        command: the command executed; generated_command: the one
-            :class:`helpers.demos.launch_plans.LaunchPlan` wrote.
-        checkpoint_dir: where its checkpoints are.
+        command: the command executed; generated_command: the one :class:`helpers.demos.launch_plans.LaunchPlan` wrote.
         initial: ``"shared"`` (started from the shared initial checkpoint) or ``"own"``.
         skipped: the result was read from an earlier run (nothing launched).
-        records_dir: where each rank wrote what it held and when it computed
-            (:mod:`helpers.learn.rank_record`), when the run was recorded.
+        records_dir: where each rank wrote what it held and when it computed (:mod:`helpers.learn.rank_record`).
     """
 
     layout: Layout
@@ -177,12 +163,9 @@ def _progress_handler(total: int, desc: str, progress: bool):
 def initial_checkpoint(base: Any, *, timeout_s: float = 600.0, progress: bool = True) -> Path:
     """Save the TP=1 model's initial weights once, as ``iter_0000000`` (cached).
 
-    Every layout of the comparison starts from this checkpoint (Megatron-LM's
-    ``--pretrained-checkpoint``), loaded and resharded by ``dist_checkpointing`` into its own
-    layout, so all start from identical weights. (From scratch, a pipeline stage r > 0 seeds
-    with seed + 100 r and initialises only its own layers, as Megatron-LM's ``_set_random_seed``
-    does, so its layers differ from the TP=1 model's.) One process:
-    ``python -m helpers.demos.layout_runs --config ...``.
+    Every layout starts from it (``--pretrained-checkpoint``), resharded by ``dist_checkpointing``, so all
+    start from identical weights; from scratch, stage r > 0 seeds with seed + 100 r (Megatron-LM's
+    ``_set_random_seed``). One process: ``python -m helpers.demos.layout_runs --config ...``.
 
     Args:
         base: :func:`comparison_config`.
@@ -220,22 +203,16 @@ def run_layout(base: Any, layout: Layout, *, initial: str = "shared", checkpoint
                record: bool = False) -> LayoutRun:
     """Train ``base`` with ``layout`` under torchrun on this machine and collect its losses.
 
-    The launch is the node-0 command of a one-node :class:`LaunchPlan`; the command
-    ``helpers.runner.launch.torchrun`` executed is checked to be exactly that one. Cached: when the
-    layout already finished ``train_iters`` with the same config, its stored result is returned
-    (``skipped=True``).
+    The launch is the node-0 command of a one-node :class:`LaunchPlan` (checked to be exactly the one
+    executed). Cached: a layout that finished ``train_iters`` with the same config returns its stored result.
 
     Args:
-        base: :func:`comparison_config`.
-        layout: the layout; ``layout.world_size`` processes are started.
-        initial: ``"shared"``: start from :func:`initial_checkpoint` (made if missing;
-            ``--pretrained-checkpoint``); ``"own"``: let the layout initialise its own weights
-            (Megatron's per-stage seeds).
-        checkpoint_dir: where to save (default ``{run_dir}/parallelism/<name>/checkpoints``).
+        base: :func:`comparison_config`; ``layout.world_size`` processes are started.
+        initial: ``"shared"``: start from :func:`initial_checkpoint` (made if missing); ``"own"``: the
+            layout initialises its own weights (Megatron's per-stage seeds).
         name: folder name (default ``layout.name``, plus ``_own_init`` for ``initial="own"``).
-        timeout_s: wall-clock limit of the job (s); past it every process is killed.
-        record: each rank writes its memory and schedule to ``{folder}/ranks``
-            (:mod:`helpers.learn.rank_record`, ``SERIES_RANK_RECORD``); same losses.
+        timeout_s: wall-clock limit of the job (s).
+        record: each rank writes its memory and schedule to ``{folder}/ranks`` (same losses).
 
     Returns:
         :class:`LayoutRun`.

@@ -1,16 +1,13 @@
 """A checkpoint in Megatron-LM's own legacy layout, written from the series' model (notebook 06, section 10).
 
-The guide converted Megatron-LM's ``iter_0150000/mp_rank_00/model_optim_rng.pt``. The series trains
-with megatron-core and writes torch_dist, so notebook 06 writes its own trained weights in that
-older layout and converts them back with :mod:`helpers.learn.megatron_lm`, which must give the same
-transformers model; the tests build every variant the reader accepts with the same functions.
+Notebook 06 writes its trained weights as ``iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt`` and converts
+them back with :mod:`helpers.learn.megatron_lm`, which must give the same transformers model.
 
-Layout and names: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``:
-``iter_NNNNNNN/mp_rank_XX/model_optim_rng.pt``; ``save_checkpoint`` / ``generate_state_dict``:
-``args``, ``checkpoint_version``, ``iteration``, ``model``, ``optimizer``, ``rng_state``), the old
-model's nested state dict (the removed ``megatron/legacy/model/language_model.py`` and
-``transformer.py``: ``language_model.embedding.word_embeddings``, ``encoder.layers.N.self_attention.
-query_key_value``...), the argument names of ``megatron/training/arguments.py``.
+Layout and names: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``;
+``save_checkpoint`` / ``generate_state_dict``: ``args``, ``checkpoint_version``, ``iteration``, ``model``,
+``optimizer``, ``rng_state``), the legacy model's nested state dict (the removed
+``megatron/legacy/model/language_model.py`` and ``transformer.py``: ``language_model.embedding.word_embeddings``,
+``encoder.layers.N.self_attention.query_key_value``...), the argument names of ``megatron/training/arguments.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from helpers.learn import megatron_lm
 from helpers.learn import model as model_lib
 
 WE = "embedding.word_embeddings.weight"
-#: megatron-core local-spec layer names -> the old Megatron-LM model's (inverse of what the reader maps).
+#: megatron-core local-spec layer names -> the legacy Megatron-LM model's (inverse of what the reader maps).
 OLD_LAYER_NAMES = {"input_layernorm": "input_layernorm", "self_attention.linear_qkv": "self_attention.query_key_value",
                    "self_attention.linear_proj": "self_attention.dense", "pre_mlp_layernorm": "post_attention_layernorm",
                    "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h"}
@@ -85,7 +82,7 @@ def qkv_in_version(t: torch.Tensor, version: float, heads: int) -> torch.Tensor:
 
 
 def old_model_dict(sd: dict, version: float, heads: int) -> dict:
-    """A megatron-core local-spec state dict (TP=1, or one rank's shard) as the old model's nested
+    """A megatron-core local-spec state dict (TP=1, or one rank's shard) as the legacy model's nested
     ``state_dict_for_save_checkpoint``: ``{"language_model": {"embedding": ..., "encoder": ...}}``
     (version 0: its oldest names, ``transformer`` and ``attention``), QKV rows in ``version``'s order."""
     block, attention = ("transformer", "attention") if version == 0 else ("encoder", "self_attention")

@@ -1,11 +1,8 @@
-"""Pipeline schedules: when each stage runs each micro-batch, and the bubble.
+"""Pipeline schedules: when each stage runs each micro-batch, and the bubble (notebook 05, section 3).
 
-Notebook 05, section 3 ("Pipeline parallelism: stages, micro-batches and the bubble"):
-:func:`pipeline_schedule` simulates GPipe and megatron-core's 1F1B,
-:func:`schedule_stats` measures its idle fraction and the activations each stage holds,
-:func:`plot_schedule` draws both timelines and :func:`bubble_table` sets the simulated bubble
-next to the formula :func:`bubble_fraction`. Section 5's memory calculator
-(:mod:`helpers.learn.memory`) uses the same micro-batches-in-flight result.
+:func:`pipeline_schedule` simulates GPipe and megatron-core's 1F1B; the simulated bubble is set beside
+the formula :func:`bubble_fraction`. Section 5's memory calculator (:mod:`helpers.learn.memory`) uses
+the same micro-batches-in-flight result.
 
 Sources: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (arXiv:2104.04473) section 2.2 (1F1B, the bubble); Huang et al. 2019,
@@ -51,17 +48,13 @@ def pipeline_schedule(pipeline_model_parallel_size: int, num_microbatches: int, 
                       forward_time: float = 1.0, backward_time: float = 2.0) -> list[PipelineOp]:
     """Simulate a pipeline step: when each stage runs each micro-batch's forward and backward.
 
-    ``"1f1b"`` follows megatron-core ``forward_backward_pipelining_without_interleaving``
-    (``pipeline_parallel/schedules.py``): stage r runs ``min(p - r - 1, m)`` warm-up forwards,
-    then alternates one forward and one backward, then drains the remaining backwards.
-    ``"gpipe"`` runs all forwards, then all backwards (Huang et al. 2019). A forward on stage r
-    waits for the same micro-batch's forward on stage r - 1; a backward on stage r for the
-    backward on stage r + 1 (or, on the last stage, its own forward). Communication takes no time.
+    ``"1f1b"`` follows megatron-core ``forward_backward_pipelining_without_interleaving``: stage r runs
+    ``min(p - r - 1, m)`` warm-up forwards, alternates one forward and one backward, then drains the
+    backwards. ``"gpipe"`` runs all forwards, then all backwards (Huang et al. 2019). A forward waits
+    for stage r - 1's, a backward for stage r + 1's (the last stage: its own forward); no communication time.
 
     Args:
-        pipeline_model_parallel_size: stages p.
-        num_microbatches: micro-batches m per optimizer step.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        pipeline_model_parallel_size, num_microbatches: stages p, micro-batches m per optimizer step.
         forward_time, backward_time: durations (a backward is about 2 forwards).
 
     Returns:

@@ -1,13 +1,8 @@
 """Notebook 01's checks of the data stage and notebook 02's second corpus.
 
-* :func:`decode_document`, :func:`verify_read_back`: every stored document decodes back to
-  its line of the loose JSON (notebook 01 section 5);
-* :func:`megatron_preprocess_command`: today's Megatron-LM command for the same files
-  (notebook 01 section 6; ``bench/preprocess.py`` runs it);
-* :func:`token_spans`, :func:`cut_names`, :func:`plot_token_spans`: how the trained BPE cuts a few lines of code,
-  one colour band per token (notebook 01 section 3);
-* :func:`build_corpus_dataset`: a further corpus tokenized with the run's tokenizer, to blend
-  (notebook 02 section 9).
+Notebook 01: every stored document decodes back to its line of the loose JSON (section 5), today's
+Megatron-LM command for the same files (section 6; ``bench/preprocess.py`` runs it), how the trained BPE
+cuts a few lines of code (section 3). Notebook 02 section 9: a further corpus tokenized to blend.
 
 Sources: Megatron-LM ``tools/preprocess_data.py``; megatron-core ``datasets/indexed_dataset.py``;
 Hugging Face ``tokenizers`` ``Encoding.offsets``.
@@ -126,8 +121,8 @@ def build_corpus_dataset(
 def megatron_preprocess_command(paths: DataPaths, *, workers: int = 2, megatron_dir: str = "Megatron-LM") -> str:
     """Today's Megatron-LM command that writes the same ``.bin/.idx`` as ``helpers.runner.data_stage.build_data``.
 
-    The guide's 2022 flags updated: ``--dataset-impl`` and ``--chunk-size`` are gone,
-    ``--vocab`` is now an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face
+    The guide's 2022 flags as today's tool takes them: it has no ``--dataset-impl`` or ``--chunk-size``,
+    ``--vocab`` is an ambiguous prefix, and ``GPT2BPETokenizer`` needs the Hugging Face
     Hub, so the tokenizer folder is passed with ``HuggingFaceTokenizer``. The tool appends
     ``_content_document`` to ``--output-prefix`` itself.
     """

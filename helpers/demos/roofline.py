@@ -1,16 +1,9 @@
 """Notebook 04, sections 1, 2 and 5: what fusion saves in memory traffic, and this machine's roofline.
 
-Megatron-LM's speed on GPUs comes in part from *kernel fusion*: a chain of element-wise
-operations (bias add, GELU, dropout, residual add, scale, mask, softmax, LayerNorm) done in
-one pass over memory instead of one pass per operation. This module holds the model of that:
-
-* section 1: a **memory-traffic model** (:func:`traffic_model`, :func:`traffic_table`): bytes
-  read and written, FLOPs and arithmetic intensity of the unfused and fused forms of
-  bias+GELU, bias+dropout+residual-add, scale+mask+softmax and LayerNorm, at the shapes of one
-  micro-batch (:func:`op_shapes`);
-* section 2: a **roofline** of this machine from a measured memory bandwidth (a large copy) and
-  a measured matrix-multiply FLOP/s (:func:`measure_roofline`);
-* section 5: the measured kernels on it (:func:`plot_roofline`).
+Section 1: bytes read and written, FLOPs and arithmetic intensity of the unfused and fused forms of
+bias+GELU, bias+dropout+residual-add, scale+mask+softmax and LayerNorm at one micro-batch's shapes.
+Section 2: this machine's roofline from a measured copy bandwidth and matrix-multiply FLOP/s.
+Section 5: the measured kernels on it.
 
 Sources: megatron-core 0.19.2 ``megatron/core/fusions/fused_bias_gelu.py``,
 ``fused_bias_dropout.py``, ``fused_softmax.py``, ``fused_layer_norm.py``; Williams, Waterman,
@@ -125,32 +118,24 @@ def check_op_shape(op: str, shape: Sequence[int]) -> tuple[int, ...]:
 def traffic_model(op: str, shape: Sequence[int], dtype_bytes: int = 4) -> dict[str, FusionForm]:
     """Bytes read/written, FLOPs and kernel launches of the unfused and fused forms of ``op``.
 
-    The unfused forms are the kernels megatron-core (0.19.2) launches with its fusion flags
-    off; the fused forms are one kernel that reads each input once and writes each output
-    once, keeping intermediates in registers. Ideal caching is assumed inside a kernel and
-    none between kernels (each intermediate goes to memory and comes back). Dropout is
-    modelled as CUDA's one ``native_dropout`` kernel (output plus a 1-byte bool mask); torch's
-    eager CPU dropout runs as ``bernoulli_``, ``div_`` and ``mul`` with a float mask, so on a
-    CPU the unfused bias_dropout_add moves more than modelled here.
+    Unfused: the kernels megatron-core 0.19.2 launches with its fusion flags off, each intermediate going
+    to memory and back; fused: one kernel reading each input and writing each output once. Dropout is
+    CUDA's one ``native_dropout`` kernel (1-byte bool mask); torch's eager CPU dropout moves more.
 
     Args:
-        op: one of :data:`FUSED_OPS`.
-        shape: bias_gelu, bias_dropout_add, layernorm: ``[tokens, width]`` (the bias /
-            LayerNorm weights have ``width`` elements); scale_mask_softmax: ``[batch, heads,
-            sq, sk]`` (attention scores; causal mask ``[sq, sk]`` of bools).
+        shape: bias_gelu, bias_dropout_add, layernorm: ``[tokens, width]``; scale_mask_softmax: ``[batch,
+            heads, sq, sk]`` (causal mask ``[sq, sk]`` of bools).
         dtype_bytes: bytes per activation element (4 fp32, 2 bf16/fp16).
 
     Returns:
-        ``{form: FusionForm}``: ``"unfused"`` and ``"fused"`` for every op, plus
-        ``"unfused_formula"`` for bias_gelu (megatron's tanh formula run op by op in eager
-        mode: 10 kernels).
+        ``{form: FusionForm}``: ``"unfused"`` and ``"fused"``, plus ``"unfused_formula"`` for bias_gelu
+        (megatron's tanh formula op by op in eager mode: 10 kernels).
 
     Raises:
         ValueError: unknown op, or a shape of the wrong rank or with a size below 1.
 
-    Sources: megatron/core/transformer/mlp.py (bias add then ``activation_func``),
-    megatron/core/fusions/fused_bias_gelu.py, fused_bias_dropout.py
-    (``_bias_dropout_add_func``), fused_softmax.py (``forward_torch_softmax`` and the CUDA
+    Sources: megatron/core/transformer/mlp.py, megatron/core/fusions/fused_bias_gelu.py,
+    fused_bias_dropout.py (``_bias_dropout_add_func``), fused_softmax.py (``forward_torch_softmax``,
     ``ScaledUpperTriangMaskedSoftmax``), fused_layer_norm.py.
     """
     shape = check_op_shape(op, shape)
@@ -211,11 +196,6 @@ def traffic_model(op: str, shape: Sequence[int], dtype_bytes: int = 4) -> dict[s
 
 def op_shapes(cfg: Any, micro_batch_size: int) -> dict[str, tuple[int, ...]]:
     """The shapes each fused op sees in one micro-batch of a GPT with config ``cfg``.
-
-    Args:
-        cfg: a :class:`helpers.learn.model.ModelConfig` (hidden_size, ffn_size,
-            num_attention_heads, seq_length).
-        micro_batch_size: sequences per micro-batch.
 
     Returns:
         ``{"bias_gelu": (tokens, ffn), "bias_dropout_add": (tokens, hidden),
@@ -302,15 +282,10 @@ class Roofline:
 
 def measure_memory_bandwidth(size_mib: int = 256, *, device: str = "cpu", warmup: int = 2,
                              repeats: int = 7) -> tuple[float, Timing]:
-    """Memory bandwidth from ``dst.copy_(src)`` of a large fp32 buffer (STREAM's "copy").
+    """Memory bandwidth from ``dst.copy_(src)`` of a large fp32 buffer (STREAM's "copy"): 2 x size / time.
 
-    A copy reads ``size`` bytes and writes ``size`` bytes, so bandwidth = 2 x size / time.
-    Pick a size well above the last-level cache (tens of MiB on a laptop CPU), or the copy
+    Pick ``size_mib`` (each of source and destination) well above the last-level cache, or the copy
     measures the cache instead of memory.
-
-    Args:
-        size_mib: buffer size in MiB (each of source and destination).
-        device, warmup, repeats: see :func:`time_calls`.
 
     Returns:
         ``(bytes_per_second, timing)`` from the median copy time.
@@ -377,13 +352,9 @@ def plot_roofline(roofline: Roofline, points: Sequence[tuple] = (),
     """Log-log roofline with measured points, every point identifiable from the legends beside the plot.
 
     Args:
-        roofline: the machine.
-        points: either ``(label, intensity FLOP/byte, achieved FLOP/s)`` per measured kernel
-            (each its own colour and marker, one legend entry each), or ``(group, kind,
-            intensity, achieved FLOP/s)`` (colour by group, marker by kind: two small legends,
-            e.g. operation and implementation, :func:`helpers.demos.fused_ops.roofline_points`).
-            The legends sit outside the axes, to the right.
-        title: the plot title.
+        points: ``(label, intensity FLOP/byte, achieved FLOP/s)`` per kernel (one legend entry each), or
+            ``(group, kind, intensity, achieved FLOP/s)`` (colour by group, marker by kind: two legends,
+            :func:`helpers.demos.fused_ops.roofline_points`).
 
     Returns:
         a matplotlib ``Figure``.

@@ -1,14 +1,9 @@
 """What each rank really holds: parameter shards, process groups and tensor-parallel all-reduces.
 
-Notebook 05, section 2 ("Tensor parallelism: what each rank holds"): :func:`inspect_shards`
-builds the model on real ranks (TP=2 x PP=2, 4 processes under torchrun),
-:func:`shard_table` shows every parameter's full and local shape and split dimension, and
-:func:`rank_summary` sets each rank's parameter count and all-reduce count next to the
-formulas (:func:`helpers.learn.memory.parameters_per_rank`, :func:`expected_tp_allreduces`).
+Notebook 05, section 2: the model built on real ranks (TP=2 x PP=2, 4 processes under torchrun), every
+parameter's full and local shape, and each rank's counts beside the formulas. Entry point::
 
-Entry point (started by torchrun through :mod:`helpers.runner.launch`)::
-
-    python -m torch.distributed.run --nproc_per_node 4 -m helpers.demos.shards \\
+    python -m torch.distributed.run --nproc_per_node 4 -m helpers.demos.shards \
         --config shards.json --tp 2 --pp 2 --out shards/
 
 Sources: Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053) section 3 (column/row-parallel
@@ -36,18 +31,14 @@ from helpers.learn.model import Layout, ModelConfig, build_model, check_layout
 def inspect_shards(base: Any, layout: Layout, *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Build the model on ``layout.world_size`` real ranks and report what each rank holds.
 
-    Launches ``python -m helpers.demos.shards`` (cached in
-    ``{run_dir}/parallelism/shards_<layout>.json``). Each rank builds megatron-core's GPTModel
-    exactly as training does, then runs one forward-only and one forward+backward step of a
-    random micro-batch through megatron-core's schedule, counting ``torch.distributed.all_reduce``
-    calls on its tensor-parallel group.
+    Launches ``python -m helpers.demos.shards`` (cached in ``{run_dir}/parallelism/shards_<layout>.json``):
+    each rank builds megatron-core's GPTModel as training does, runs one forward-only and one
+    forward+backward step, and counts ``torch.distributed.all_reduce`` calls on its TP group.
 
     Returns:
-        One dict per rank: ``rank``, ``tp_rank``, ``pp_rank``, ``dp_rank``, ``groups``
-        (``{"tp", "pp", "dp"}``: global ranks of this rank's groups, from ``parallel_state``),
-        ``params`` (``[name, shape, partition_dim]``; partition_dim is None for parameters
-        replicated across TP), ``num_parameters``, ``parameter_bytes``, ``tp_allreduce``
-        (``{"forward", "forward_backward"}`` counts).
+        One dict per rank: ``rank``, ``tp_rank``, ``pp_rank``, ``dp_rank``, ``groups`` (``{"tp", "pp",
+        "dp"}`` global ranks), ``params`` (``[name, shape, partition_dim]``; None when replicated across TP),
+        ``num_parameters``, ``parameter_bytes``, ``tp_allreduce`` (``{"forward", "forward_backward"}``).
 
     Raises:
         ValueError: :func:`helpers.learn.model.check_layout` refuses the layout.

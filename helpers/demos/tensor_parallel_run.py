@@ -47,23 +47,16 @@ def run_tensor_parallel(tensor_model_parallel_size: int, *, load: str | os.PathL
                         on_line: Callable[[str], None] | None = None, cpu: bool = True) -> TensorParallelRun:
     """Run a megatron-core GPT with tensor parallelism in ``torchrun`` processes (gloo on CPU).
 
-    Either loads a checkpoints folder into a ``GPTModel`` split over ``tensor_model_parallel_size``
-    ranks (any saved TP size loads), or initialises one randomly from ``model_config`` and
-    ``seed``. Then optionally computes the logits of ``tokens`` (each rank holds a vocabulary
-    slice; they are all-gathered over the tensor-parallel group) and saves the model in this TP
-    layout (``helpers.learn.checkpointing.save_model``, with ``model_config.json``).
+    Loads a checkpoints folder (any saved TP size) into a ``GPTModel`` split over
+    ``tensor_model_parallel_size`` ranks, or initialises one from ``model_config`` and ``seed``; then
+    optionally computes the logits of ``tokens`` (int64 ``[b, s]``; vocabulary slices all-gathered) and
+    saves the model in this TP layout (``helpers.learn.checkpointing.save_model``).
 
     Args:
-        tensor_model_parallel_size: processes = TP size.
-        load: checkpoints folder to load (its latest iteration; exclusive with ``model_config``).
-        model_config: random initialisation instead of ``load``.
-        tokens: int64 ``[b, s]`` to run forward.
-        save: checkpoints folder to write (must not hold a checkpoint).
-        iteration: iteration number for ``save`` (default: the loaded one, or 0).
+        load: checkpoints folder (its latest iteration); exclusive with ``model_config``.
+        save: checkpoints folder to write (must not hold a checkpoint); ``iteration``: default the loaded one, or 0.
         workdir: folder for the exchanged files (default: a temporary folder, removed).
-        timeout_s: launch time limit (s).
-        cpu: run on the CPU over gloo (``CUDA_VISIBLE_DEVICES=""``), so a machine with fewer
-            GPUs than ranks works too and the logits are fp32 CPU results like the reference's;
+        cpu: run on the CPU over gloo (``CUDA_VISIBLE_DEVICES=""``): fp32 CPU logits like the reference's;
             ``False``: on the GPUs, in IEEE fp32 (TF32 off).
 
     Returns:

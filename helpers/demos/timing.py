@@ -110,21 +110,16 @@ def _time_once(fn: Callable[[], Any], number: int, device: str) -> float:
 def time_calls(fns: Mapping[str, Callable[[], Any]], *, device: str = "cpu", warmup: int = 3,
                repeats: int = 15, min_repeat_s: float = 0.005,
                progress: bool = False) -> dict[str, Timing]:
-    """Time several callables fairly: warm-up, then repeats interleaved round-robin.
+    """Time several callables fairly: warm-up, then repeats interleaved round-robin (A B C A B C ...).
 
-    Interleaving (A B C A B C ...) spreads any drift of a shared machine (other processes,
-    frequency changes) evenly over the candidates, which back-to-back blocks would not.
-    Each repeat makes ``number`` calls, chosen so that a repeat lasts at least
-    ``min_repeat_s`` (short kernels are otherwise below the clock's noise).
+    Interleaving spreads a shared machine's drift evenly over the candidates. Each repeat makes
+    ``number`` calls, so that it lasts at least ``min_repeat_s`` seconds (above the clock's noise).
 
     Args:
         fns: ``{name: zero-argument callable}``.
-        device: ``"cpu"`` (``time.perf_counter``) or ``"cuda"`` (``torch.cuda.Event`` pairs,
-            synchronised after each repeat).
-        warmup: untimed calls first (compilation, caches, allocator); >= 1.
-        repeats: timed repeats per callable; >= 3.
-        min_repeat_s: shortest repeat in seconds.
-        progress: show a tqdm bar.
+        device: ``"cpu"`` (``time.perf_counter``) or ``"cuda"`` (``torch.cuda.Event`` pairs, synchronised
+            after each repeat).
+        warmup: untimed calls first, >= 1; repeats: timed repeats per callable, >= 3.
 
     Returns:
         ``{name: Timing}``.

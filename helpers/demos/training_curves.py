@@ -1,13 +1,8 @@
 """Notebook 03's pictures of Megatron-LM's training loop: what it logged, and a kill and resume.
 
-* :func:`plot_loss_and_lr`: the loss curves and the learning-rate schedule (section 7);
-* :func:`throughput`, :func:`plot_throughput`: tokens per second of each log interval (section 7);
-* :func:`kill_and_resume`, :func:`plot_kill_and_resume`: a short run trained once without a break,
-  and once stopped by SIGTERM and resumed from its checkpoint (``--exit-signal-handler``, ``--load``),
-  with the loss of every iteration of both (section 8).
-
-The records are :mod:`helpers.runner.metrics`'s (``metrics.jsonl``); the runs are launched as
-:func:`helpers.runner.launch.train` launches them.
+Section 7: the loss curves, the learning-rate schedule and the tokens per second of each log interval.
+Section 8: a short run trained once without a break, and once stopped by SIGTERM and resumed from its
+checkpoint (``--exit-signal-handler``, ``--load``). Records: :mod:`helpers.runner.metrics`'s.
 
 Sources: Megatron-LM ``megatron/training/training.py`` (``training_log``: "elapsed time per
 iteration (ms)"; the exit signal handler's save), ``megatron/training/checkpointing.py``
@@ -65,11 +60,7 @@ def plot_loss_and_lr(records: Mapping[str, Sequence[Mapping[str, Any]]], schedul
 
 # --------------------------------------------------------------------------- throughput
 def throughput(train_records: Sequence[Mapping[str, Any]], tokens_per_iteration: int) -> list[dict[str, float]]:
-    """Throughput of each log interval, from the log lines' "elapsed time per iteration".
-
-    Megatron-LM's ``training_log`` prints, every ``log_interval`` iterations, the mean wall time per
-    iteration since its previous line; the records of :func:`helpers.runner.metrics.from_megatron_lm`
-    hold it as ``s_per_iter`` (seconds).
+    """Throughput of each log interval, from the log lines' "elapsed time per iteration" (``s_per_iter``, s).
 
     Args:
         train_records: ``read_metrics(...)["train"]``, in iteration order.
@@ -81,6 +72,8 @@ def throughput(train_records: Sequence[Mapping[str, Any]], tokens_per_iteration:
 
     Raises:
         ValueError: a record without a positive ``s_per_iter`` (its line was not a training log line).
+
+    Source: Megatron-LM ``megatron/training/training.py`` (``training_log``).
     """
     rows, previous = [], 0
     for r in train_records:
@@ -194,28 +187,16 @@ def kill_and_resume(cfg, record: str | os.PathLike, *, train_iters: int = 20, ki
     """Train a short run of ``cfg``'s model twice, uninterrupted and killed-then-resumed; the loss of
     every iteration of both.
 
-    The run is ``cfg`` with ``train_iters`` iterations (its own warmup and cosine over them), a log
-    line every iteration, one evaluation and a checkpoint only at the end, in a temporary folder.
-    The second copy is sent SIGTERM once it logged iteration ``kill_after``: Megatron-LM's exit
-    signal handler (``--exit-signal-handler``) saves a checkpoint at the end of the iteration it is
-    in and exits; :func:`helpers.runner.launch.train` then starts it again, and Megatron-LM resumes
-    from that checkpoint (``--load``): weights, optimizer, scheduler, RNG states, data position.
-    All launches use ``threads`` CPU threads (CPU sums are bit-identical only at the same count).
-
-    Cached: the result is written to ``record`` (JSON) and read back from it when it exists.
-
-    Args:
-        cfg: the run whose model and data to use (a ``TrainingConfig``).
-        record: the JSON file of the result, e.g. ``{run_dir}/kill_and_resume.json``.
-        progress: progress bars for the two launches of :func:`helpers.runner.launch.train` (else
-            they print every log line).
+    ``train_iters`` iterations, a log line each, one evaluation and a checkpoint at the end, in a temporary
+    folder. The second copy gets SIGTERM once it logged ``kill_after``: Megatron-LM's exit signal handler
+    saves a checkpoint and exits, and :func:`helpers.runner.launch.train` restarts it (``--load``: weights,
+    optimizer, scheduler, RNG states, data position). All launches use ``threads`` CPU threads (CPU sums are
+    bit-identical only at the same count). Cached in ``record`` (JSON).
 
     Returns:
-        ``{"uninterrupted": {iteration: loss}, "launches": [{iteration: loss}, ...],
-        "killed_at": the last iteration of the first launch (its checkpoint), "resumed_from": the
-        iteration the second launch loaded, "max_abs_difference": the largest |loss difference|
-        over every iteration of the resumed run (nats/token), "train_iters", "seconds"}``; the losses
-        are TensorBoard's float32 values.
+        ``{"uninterrupted": {iteration: loss}, "launches": [{iteration: loss}, ...], "killed_at",
+        "resumed_from", "max_abs_difference" (nats/token, over the resumed run), "train_iters", "seconds"}``;
+        the losses are TensorBoard's float32 values.
 
     Raises:
         ValueError: ``kill_after`` not in ``[1, train_iters)``.

@@ -22,20 +22,14 @@ from megatron.core.transformer.enums import AttnMaskType
 class SDPAttention(DotProductAttention):
     """megatron-core's ``DotProductAttention`` computed by ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Same module, parameters, checkpoint keys and math as the parent
-    (softmax(Q K^T x scale + mask) V, scale 1/sqrt(head dim), dropout on the probabilities);
-    only the kernel differs: one fused call instead of ``baddbmm``, mask fill, softmax,
-    dropout and ``bmm``, which never keeps the ``[b, heads, s, s]`` score and probability
-    matrices for the backward pass.
+    Same parameters, checkpoint keys and math as the parent (softmax(Q K^T / sqrt(head dim) + mask) V,
+    dropout on the probabilities); one fused call keeps no ``[b, heads, s, s]`` matrices for backward.
 
-    Shapes: ``query/key/value [s, b, heads/TP, head_dim]`` (fp32, bf16 or fp16) ->
-    ``[s, b, hidden/TP]``; ``attention_mask`` ``None`` (causal) or bool ``[b or 1, 1, s, s]``,
-    True where attention is forbidden (megatron's convention). Cases the fused call would
-    treat differently (a query length other than the key length, a learnable softmax
-    offset, an attention bias, packed sequences, query-key layer scaling, sliding windows,
-    no mask with a non-causal mask type, a mask that hides every key from some query, where
-    the parent's -10000 fill spreads that query's attention evenly) run the parent's
-    unfused code.
+    Shapes: ``query/key/value [s, b, heads/TP, head_dim]`` (fp32, bf16 or fp16) -> ``[s, b, hidden/TP]``;
+    ``attention_mask`` ``None`` (causal) or bool ``[b or 1, 1, s, s]``, True where forbidden. Cases the
+    fused call would treat differently (unequal query/key lengths, softmax offset, attention bias,
+    packed sequences, query-key layer scaling, sliding windows, a mask hiding every key from a
+    query) run the parent's unfused code.
     """
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -1,46 +1,14 @@
-"""megatron-core GPT <-> Hugging Face transformers GPT-2: one weight map, used in both directions.
+"""megatron-core GPT <-> Hugging Face transformers GPT-2: one weight map, used in both directions (notebook 06).
 
-The CodeParrot guide ended with ``transformers``' ``convert_megatron_gpt2_checkpoint.py``.
-That script is not in today's transformers wheels and reads the legacy key layout
-(``model.language_model.encoder...`` inside ``mp_rank_00/model_optim_rng.pt``), while
-megatron-core writes a ``dist_checkpointing`` folder (torch_dist: ``*.distcp`` shards plus
-``.metadata``) whose keys are ``embedding.*`` / ``decoder.layers.*``. This module replaces it.
-
-Read it in this order:
-
-1. :data:`WEIGHT_MAP`: every megatron-core weight name and its GPT-2 name (``{}`` = layer
-   number), written like litgpt's ``scripts/convert_lit_checkpoint.py``, plus the three
-   sets saying what happens to a tensor besides the renaming: :data:`TRANSPOSED` (GPT-2's
-   ``Conv1D`` stores ``[in, out]``, the transpose of ``nn.Linear``), :data:`QKV_PERMUTED`
-   (megatron-core keeps each head's q, k, v rows together, ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``,
-   so that a tensor-parallel rank holds whole heads; GPT-2's ``c_attn`` wants
-   ``[all q | all k | all v]``: :func:`qkv_row_permutation`) and :data:`VOCAB_ROWS` (Megatron
-   pads the vocabulary to a multiple of 128 x TP; the padding rows are no token).
-   :data:`HF_WEIGHT_MAP` is the same map inverted.
-2. :func:`tensor_to_hf` / :func:`tensor_to_megatron`: those rules for one tensor;
-   :func:`megatron_to_hf_state_dict` / :func:`hf_to_megatron_state_dict`: for a whole model,
-   strictly (an unknown or missing key is an error listing the keys; models GPT-2 cannot
-   represent are refused with the reason, :func:`check_architecture`).
-3. :func:`gpt2_config`: the ``GPT2Config`` (the GELU training computed, LayerNorm epsilon...).
-4. :func:`load_megatron_checkpoint`: a torch_dist checkpoint of any tensor-model-parallel size
-   (every tensor read at its global shape, ``helpers.learn.checkpointing.read_model_tensors``) or a
-   plain ``model.state_dict()`` file; and checkpoints Megatron-LM wrote itself, without the
-   series' ``model_config.json`` (legacy ``mp_rank_00/model_optim_rng.pt`` or torch_dist: the
-   architecture from their ``args``, ``helpers.learn.megatron_lm``).
-5. :func:`convert_to_hf`: the transformers folder (``config.json``, ``model.safetensors``,
-   the training tokenizer byte for byte, ``generation_config.json`` with EOS = EOD,
-   ``conversion.json``); :func:`convert_to_hf_cached` skips a conversion already done; :func:`main`
-   is the command line.
-
-Notebook 06 proves the result (logits, validation loss, greedy tokens, TP=2, the way back)
-with ``helpers/demos/conversion_proofs.py``, ``tensor_parallel_run.py`` and ``conversion_way_back.py``.
-
-Sources: megatron-core 0.19.2 ``models/gpt/gpt_model.py``, ``transformer/attention.py``
-(``SelfAttention.get_query_key_value_tensors`` views ``linear_qkv`` as ``[.., heads, 3 * head_dim]``),
-``models/gpt/gpt_layer_specs.py`` (``sharded_state_dict_keys_map``), ``dist_checkpointing/serialization.py``
-(``load_tensors_metadata``, ``load``); transformers ``models/gpt2/modeling_gpt2.py`` (``Conv1D``);
-litgpt ``scripts/convert_lit_checkpoint.py`` (the weight-map style); Megatron-LM
-``tools/checkpoint/saver_mcore.py`` (padding rows repeat the last row).
+It stands in for transformers' ``convert_megatron_gpt2_checkpoint.py``, which reads the legacy key
+layout, not megatron-core's torch_dist ``embedding.*`` / ``decoder.layers.*`` keys.
+Read in order: :data:`WEIGHT_MAP` (with :data:`TRANSPOSED`, :data:`QKV_PERMUTED`, :data:`VOCAB_ROWS`),
+:func:`tensor_to_hf`, :func:`megatron_to_hf_state_dict`, :func:`gpt2_config`,
+:func:`load_megatron_checkpoint`, :func:`convert_to_hf`. Notebook 06 proves the result with
+``helpers/demos/conversion_proofs.py``. Sources: megatron-core 0.19.2 ``models/gpt/gpt_model.py``,
+``transformer/attention.py`` (``get_query_key_value_tensors``), ``dist_checkpointing/serialization.py``;
+transformers ``models/gpt2/modeling_gpt2.py`` (``Conv1D``); litgpt ``scripts/convert_lit_checkpoint.py``
+(the weight-map style); Megatron-LM ``tools/checkpoint/saver_mcore.py`` (padding rows).
 """
 
 from __future__ import annotations
@@ -510,11 +478,8 @@ def load_megatron_checkpoint(source: str | os.PathLike, *,
                              iteration: int | None = None, weights_only: bool = True) -> MegatronCheckpoint:
     """Read a megatron-core GPT: torch_dist checkpoint (any TP size) or plain state dict, the series' or Megatron-LM's.
 
-    Without ``model_config`` and ``model_config.json`` the checkpoint is Megatron-LM's own: its
-    ``args`` give the architecture and its weights are renamed and merged to TP=1 by
-    ``helpers.learn.megatron_lm.read_checkpoint`` (legacy ``mp_rank_XX/model_optim_rng.pt``, any TP size,
-    old ``language_model.*`` names of any ``checkpoint_version``; torch_dist with ``common.pt``
-    or the ``common_state`` of megatron-core >= 0.19).
+    Without ``model_config`` and ``model_config.json`` the checkpoint is Megatron-LM's own, read by
+    ``helpers.learn.megatron_lm.read_checkpoint`` (architecture from its ``args``, weights merged to TP=1).
 
     Args:
         source: a checkpoints folder (latest iteration), an ``iter_NNNNNNN`` folder, or a ``.pt``
@@ -643,11 +608,9 @@ def convert_to_hf(source: str | os.PathLike | MegatronCheckpoint, output_dir: st
     """Convert a megatron-core GPT checkpoint into a transformers ``GPT2LMHeadModel`` folder (a Llama-style
     model, ``architecture="llama"`` in its metadata: a ``LlamaForCausalLM`` folder, :mod:`helpers.learn.llama`).
 
-    Writes ``config.json`` (:func:`gpt2_config`), ``model.safetensors`` (:func:`megatron_to_hf_state_dict`,
-    read back and compared bit for bit), ``generation_config.json`` (EOS = BOS = PAD = the EOD
-    token), the tokenizer files of ``tokenizer_dir`` copied byte for byte, and ``conversion.json``
-    (source, iteration, TP size, padding rows removed, versions). All files are written to a
-    temporary folder first and moved into place at the end.
+    Writes ``config.json`` (:func:`gpt2_config`), ``model.safetensors`` (read back and compared bit for
+    bit), ``generation_config.json`` (EOS = BOS = PAD = EOD), the tokenizer files byte for byte and
+    ``conversion.json``, in a temporary folder moved into place at the end.
 
     Args:
         source: see :func:`load_megatron_checkpoint` (or an already loaded checkpoint).

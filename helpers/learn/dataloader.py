@@ -1,19 +1,12 @@
-"""megatron-core's ``GPTDataset``: its config, the builder call, and a guard for its known hang.
+"""megatron-core's ``GPTDataset``: its config, the builder call, and a guard for its known hang (notebook 02).
 
 ``BlendedMegatronDatasetBuilder`` (``megatron/core/datasets/blended_megatron_dataset_builder.py``)
-cuts the ``.bin/.idx`` documents into contiguous train/valid/test ranges by the ``split``
-weights, and for each range ``GPTDataset`` (``megatron/core/datasets/gpt_dataset.py``) builds
-three index arrays, cached as ``.npy`` files keyed by an MD5 of the config:
+cuts the ``.bin/.idx`` documents into contiguous train/valid/test ranges by the ``split`` weights;
+``GPTDataset`` (``megatron/core/datasets/gpt_dataset.py``) builds the document, sample
+(``[num_samples + 1, 2]``) and shuffle indices for each, cached as ``.npy``. A sample is
+``seq_length + 1`` tokens: ``tokens`` the first ``seq_length``, ``labels`` the last.
 
-* **document index**: the range's document ids, tiled once per epoch and shuffled;
-* **sample index**: ``[num_samples + 1, 2]`` (position in the document index, token offset)
-  boundaries every ``seq_length`` tokens, so samples run across document boundaries;
-* **shuffle index**: a permutation of the sample ids.
-
-A sample is ``seq_length + 1`` consecutive tokens; ``tokens`` are the first ``seq_length``
-and ``labels`` the last ``seq_length`` (shifted by one).
-
-Known hang (megatron-core 0.19.2, as in 0.16.1): a split range with zero documents makes
+Known hang (megatron-core 0.19.2): a split range with zero documents makes
 ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) add epochs of 0 tokens forever.
 :func:`check_split` computes the ranges exactly as the builder does and raises first.
 """
@@ -113,10 +106,8 @@ class MegatronTokenizerAdapter(_TokenizerBase):  # type: ignore[misc,valid-type]
 def check_split(sequence_lengths: np.ndarray | int, split: str, *, parameter: str = "split") -> list[tuple[int, int] | None]:
     """Raise before megatron-core hangs on a split range without tokens; return the ranges.
 
-    megatron-core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) loops
-    ``while num_tokens < num_tokens_requested: num_tokens += num_tokens_per_epoch`` and never
-    ends when a split's range holds 0 tokens (e.g. 300 documents with split ``949,50,1``:
-    the test range is empty). Even 0 requested samples ask for 1 token (the extra label token).
+    megatron-core 0.19.2's ``GPTDataset._get_num_epochs`` (gpt_dataset.py:693) never ends when a
+    split's range holds 0 tokens (e.g. 300 documents with split ``949,50,1``), even for 0 samples.
 
     Args:
         sequence_lengths: ``[num_documents]`` tokens per document (``IndexedDataset.sequence_lengths``),

@@ -23,14 +23,10 @@ def initialize_distributed(tensor_model_parallel_size: int = 1, pipeline_model_p
                            seed: int = 1234) -> dict[str, int]:
     """Process group, megatron-core model-parallel groups and seeded RNGs, as pretrain_gpt does.
 
-    Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them a
-    single process (an in-memory ``HashStore``, no port; the environment is not modified). NCCL with CUDA, gloo on CPU (and the
-    :mod:`helpers.support.cpu_compat` shims). Seeds: Python/NumPy/torch with ``seed + 100 * pp_rank``
-    and megatron's tracker with ``model_parallel_cuda_manual_seed`` (Megatron-LM
-    ``_set_random_seed``).
-
-    An existing process group and existing model-parallel groups of the same TP x PP are
-    reused (and the RNGs are then left as they are), so a notebook may call this twice.
+    Uses torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*``; without them one process
+    (an in-memory ``HashStore``, no port). NCCL with CUDA, gloo on CPU (with the
+    :mod:`helpers.support.cpu_compat` shims). Seeds ``seed + 100 * pp_rank`` as Megatron-LM's
+    ``_set_random_seed``. Existing groups of the same TP x PP are reused, RNGs left as they are.
 
     Returns:
         ``{"rank", "world_size", "tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank"}``.

@@ -1,17 +1,11 @@
-"""The two tokenizing engines behind :func:`helpers.learn.preprocess.tokenize_to_indexed_dataset`.
+"""The two tokenizing engines behind :func:`helpers.learn.preprocess.tokenize_to_indexed_dataset` (01 §7).
 
-Both read the same ``tokenizer.json`` and give the same token ids, so they write
-byte-identical ``.bin/.idx`` files (notebook 01 compares them); they differ only in speed:
+Both read the same ``tokenizer.json`` and write byte-identical ``.bin/.idx`` files; they differ in speed:
 
-* ``"gigatoken"``: the Rust BPE encoder that Megatron-LM's newer
-  ``tools/preprocess_data_fast.py`` uses (PyPI ``gigatoken``, pinned in requirements.txt);
-  it encodes a whole batch of documents on its own thread pool, 15-40x faster than
-  ``"tokenizers"`` here (bench/RESULTS.md);
+* ``"gigatoken"``: the Rust BPE encoder of Megatron-LM's ``tools/preprocess_data_fast.py`` (PyPI
+  ``gigatoken``), 15-40x faster than ``"tokenizers"`` here (bench/RESULTS.md);
 * ``"tokenizers"``: Hugging Face ``tokenizers`` in worker threads, what Megatron-LM's
-  ``HuggingFaceTokenizer`` runs inside ``preprocess_data.py``'s worker processes.
-
-Plumbing: notebook 01 shows the one-thread version of the same work (``encode_batch`` and
-``IndexedDatasetBuilder``) in a cell.
+  ``HuggingFaceTokenizer`` runs inside ``preprocess_data.py``.
 """
 
 from __future__ import annotations

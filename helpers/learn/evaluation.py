@@ -1,24 +1,14 @@
-"""Does the model learn Python? Compression, sampling, syntax validity and pass@k.
+"""Does the model learn Python? Compression, sampling, syntax validity and pass@k (notebook 07).
 
-Every scorer takes the model as one function, ``logits_fn(tokens) -> logits``
-(``torch.LongTensor [batch, seq]`` -> ``torch.FloatTensor [batch, seq, vocab]``, causal: the
-logits at position ``i`` see tokens ``0..i`` only), so the same code scores megatron-core's
-``GPTModel`` and the converted transformers ``GPT2LMHeadModel``::
+Every scorer takes the model as ``logits_fn(tokens) -> logits`` (``LongTensor [batch, seq]`` ->
+``FloatTensor [batch, seq, vocab]``, causal, model in eval mode), so the same code scores
+megatron-core's ``GPTModel`` and the converted ``GPT2LMHeadModel``::
 
-    gpt_fn = lambda t: gpt(t.to(dev), torch.arange(t.shape[1], device=dev).expand(t.shape), None)  # GPTModel
-    hf_fn = lambda t: hf_model(t.to(dev)).logits                                                  # GPT2LMHeadModel
+    hf_fn = lambda t: hf_model(t.to(dev)).logits
 
-(models in eval mode; the scorers build ``tokens`` on the CPU, ``logits_fn`` moves them).
-
-* compression: :func:`score_texts` gives nats per token, perplexity and bits per byte on held-out
-  text, next to what ``gzip -9``, ``xz -9e`` and a unigram model spend on the same text
-  (:func:`gzip_bits_per_byte`, :func:`xz_bits_per_byte`, :func:`unigram_nats`);
-* sampling: :func:`sample` (temperature and top-k, as nanoGPT's ``model.generate``);
-* syntax: :func:`parses` / :func:`syntax_validity`, the rule of the project's issue 16;
-* function tasks: :func:`load_function_tasks` reads ``data/function_tasks.jsonl`` (HumanEval's
-  format), :func:`check_candidate` runs a completion against a task's test in a guarded
-  subprocess, :func:`pass_at_k` is HumanEval's unbiased estimator (Chen et al. 2021, section 2.1;
-  openai/human-eval ``human_eval/execution.py`` and ``evaluation.py``).
+:func:`score_texts` gives bits per byte next to gzip, xz and a unigram model; :func:`sample` follows
+nanoGPT's ``model.generate``; :func:`pass_at_k` is HumanEval's unbiased estimator (Chen et al. 2021,
+section 2.1; openai/human-eval ``human_eval/execution.py``, ``evaluation.py``).
 """
 
 from __future__ import annotations
@@ -100,17 +90,11 @@ def score_texts(logits_fn: LogitsFn, tokenizer, texts: Sequence[str], seq_length
                 batch_size: int = 8, vocab_size: int | None = None, stride: int | None = None) -> Compression:
     """Negative log-likelihood of ``texts`` under the model, in nats, tokens and bytes.
 
-    Each text becomes the stream ``[eod] + encode(text)`` (the EOD token precedes every document
-    in the training data too), read in windows of ``L = seq_length`` input tokens that start
-    every ``S = stride`` tokens (stream positions ``0, S, 2S, ...``, until the text's last token
-    is predicted); window ``k`` feeds stream tokens ``kS .. kS+L-1`` and scores only the targets
-    no earlier window scored. With ``S = L`` (the default) the windows do not overlap and each
-    window's context starts afresh; with ``S < L`` every scored token after the first window has
-    at least ``L - S`` tokens of context, the sliding-window evaluation of Hugging Face's
-    "Perplexity of fixed-length models" guide (``S = L/2`` costs twice the forward passes).
-    Either way every token of every text is predicted exactly once, and the bytes counted are
-    exactly the text's UTF-8 bytes (checked: ``decode(encode(text)) == text``). Windows are
-    batched, right-padded with EOD; padded positions are not scored.
+    Each text is the stream ``[eod] + encode(text)``, read in windows of ``seq_length`` tokens that
+    start every ``stride`` tokens; each window scores only targets no earlier one scored, so every
+    token is predicted once (``stride < seq_length``: Hugging Face's "Perplexity of fixed-length
+    models" sliding window). Bytes are the text's UTF-8 bytes. Windows are right-padded with EOD,
+    unscored.
 
     Args:
         logits_fn: ``[batch, seq] int64 -> [batch, seq, vocab] float`` (see the module docstring).
@@ -223,13 +207,10 @@ def heldout_package_files(packages: Sequence[str], tokenizer, seen_hashes: Itera
                           more_filtering: bool, seed: int = 1234) -> list[dict]:
     """Read installed packages' ``.py`` files as an unseen set, cleaned as notebook 01 cleaned its corpus.
 
-    Each package is found with ``importlib.util.find_spec`` (a package folder, or a single-file
-    module such as ``six``). Its files outside test folders (:data:`helpers.learn.corpus.STDLIB_EXCLUDED_DIRS`),
-    in sorted path order, go through
-    :func:`helpers.learn.corpus.rejection_reason` (the guide's six filters; ``seen_hashes``, for
-    example the hashes of every corpus document, make a copy of one a ``duplicate``) and, with
-    ``more_filtering``, :func:`helpers.learn.corpus.heuristic_reason` (characters per token measured
-    with ``tokenizer``), until ``max_files`` of them pass.
+    Each package (``importlib.util.find_spec``) gives its non-test ``.py`` files in sorted order to
+    :func:`helpers.learn.corpus.rejection_reason` (``seen_hashes`` marks copies of corpus documents
+    ``duplicate``) and, with ``more_filtering``, :func:`helpers.learn.corpus.heuristic_reason`, until
+    ``max_files`` of them pass.
 
     Returns:
         One dict per file read, in order: ``package``, ``file`` (path inside the package),
@@ -295,14 +276,11 @@ def sample(logits_fn: LogitsFn, prompt_ids: Sequence[int], max_new_tokens: int, 
         eod_id: stop when this token is drawn (it is not returned).
         seq_length: keep only the last ``seq_length`` tokens as context (the position table).
         vocab_size: never draw ids >= this (Megatron's padded vocab rows).
-        num_samples: draw this many continuations of the prompt at once, as one batch of rows
-            (``[num_samples, seq]`` per call: fewer, larger forward passes); a row that draws
-            ``eod_id`` stops there while the others go on.
+        num_samples: draw this many continuations at once, as rows ``[num_samples, seq]``; a row
+            that draws ``eod_id`` stops while the others go on (samples differ from one-at-a-time calls).
 
     Returns:
-        The new token ids, without the prompt (``greedy_generate`` returns prompt + new); with
-        ``num_samples``, a list of ``num_samples`` such lists. The batch draws its random
-        numbers in another order than one-at-a-time calls, so its samples are others.
+        The new token ids, without the prompt; with ``num_samples``, a list of such lists.
 
     Raises:
         ValueError: an empty prompt, a negative temperature, ``top_k`` < 1 or ``num_samples`` < 1.
@@ -347,7 +325,7 @@ def distinct_n(ids: Sequence[int], n: int = 1) -> float:
 def parses(prompt: str, completion: str) -> bool:
     """Is ``prompt + completion`` Python, allowing for a completion cut off mid-block?
 
-    The rule (issue 16): ``ast.parse(prompt + completion)`` succeeds; or else, the text trimmed
+    The rule: ``ast.parse(prompt + completion)`` succeeds; or else, the text trimmed
     to its last full line (everything up to and including the last ``"\\n"``; the unfinished
     line after it is dropped) still holds a non-blank line of the completion and parses, after
     closing a trailing open block: if the last non-blank kept line ends with ``":"``, a line
@@ -543,20 +521,11 @@ def check_candidate(task: FunctionTask, completion: str, timeout_s: float = 3.0,
     """Run ``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"`` (human-eval's
     ``check_correctness`` program) in a separate, guarded Python process.
 
-    The child is ``sys.executable -I -S -B`` (isolated: no environment variables, user site or
-    script folder on the path; no site-packages; no .pyc written), started in a new session
-    (its own process group) with its working folder a fresh ``tempfile.TemporaryDirectory``
-    (removed afterwards), stdin from /dev/null, and an environment of ``PATH``, ``HOME`` and
-    ``TMPDIR`` (plus ``LD_LIBRARY_PATH`` if set) only: no proxies, no credentials. Before the
-    program it applies :func:`_guarded_run`'s guard: ``RLIMIT_AS``/``RLIMIT_DATA`` =
-    ``memory_bytes``, ``RLIMIT_CPU`` = ``ceil(timeout_s) + 1`` s (and an alarm 1 s later),
-    files <= 16 MiB, no core dumps; human-eval's ``reliability_guard`` list disabled
-    (``os.remove``, ``os.unlink``, ``os.rename``, ``os.replace``, ``os.kill``, ``os.system``,
-    ``os.fork``, ``os.chdir``, ``shutil.rmtree``, ``shutil.move``, ``exit``, ``quit``, ...),
-    ``import resource`` refused; and an audit hook backing it all (``posix.unlink``, writes
-    outside the folder, ``_socket``, ``_posixsubprocess``, ctypes). Like human-eval's, this
-    guard stops the accidents of generated code (deleting the learner's files, spawning, the
-    network), not a deliberate attacker: run untrusted code in a container.
+    The child is ``sys.executable -I -S -B`` in its own session and a fresh temporary folder, with
+    only ``PATH``, ``HOME`` and ``TMPDIR`` in its environment. :func:`_guarded_run` limits memory and
+    CPU time, disables human-eval's ``reliability_guard`` list and adds an audit hook (no deletes,
+    writes outside the folder, sockets or subprocesses). It stops the accidents of generated code,
+    not a deliberate attacker: run untrusted code in a container.
 
     Args:
         task: a :class:`FunctionTask`.

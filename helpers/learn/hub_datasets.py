@@ -1,33 +1,15 @@
-"""Read a 🤗 ``datasets`` dataset as corpus documents: the guide's first step.
+"""Read a 🤗 ``datasets`` dataset as corpus documents: the guide's first step (notebook 01 §7).
 
-The guide starts from ``load_dataset("codeparrot/codeparrot-clean-train", split="train")`` and
-writes the rows out as loose JSON with the text under ``content``. Here the rows become
-documents of :func:`helpers.learn.corpus.collect_corpus`, so they go through the same cleaning, the
-same counts and the same writer (:func:`helpers.learn.corpus.write_jsonl`) as the other sources.
+The rows become documents of :func:`helpers.learn.corpus.collect_corpus`, so they get the same
+cleaning, counts and writer as the other sources. A source starts with :data:`PREFIX` (``hf:``)
+and ends in one ``datasets.load_dataset`` call (:func:`load_arguments`):
 
-A dataset source is a string that starts with :data:`PREFIX` (``hf:``), which no path a
-learner would type starts with. Every spelling ends in one ``datasets.load_dataset`` call
-(:func:`load_arguments` gives its arguments):
+* ``hf:OWNER/NAME``: a dataset on the Hub;
+* ``hf:BUILDER:FILES``: local data files (a path or glob) read by a builder of :data:`BUILDERS`;
+* ``hf:FOLDER``: a local folder of data files (FOLDER starts with ``/``, ``.`` or ``~``, or exists).
 
-==============================  ====================================================================
-``source``                      call (``split`` and ``streaming`` from ``hf_split``, ``hf_streaming``)
-==============================  ====================================================================
-``hf:OWNER/NAME``               ``load_dataset("OWNER/NAME", ...)``: a dataset on the Hub
-``hf:BUILDER:FILES``            ``load_dataset("BUILDER", data_files="FILES", ...)``: local data files
-                                (a path or a glob) read by a packaged builder of :data:`BUILDERS`
-``hf:FOLDER``                   ``load_dataset("FOLDER", ...)``: a local folder of data files (parquet,
-                                jsonl, csv, arrow); FOLDER starts with ``/``, ``.`` or ``~``, or exists
-==============================  ====================================================================
-
-A folder written by ``Dataset.save_to_disk`` is not a folder of data files: ``load_dataset``
-refuses it and names ``load_from_disk``; ``Dataset.to_json(path, lines=True)`` and the source
-``hf:json:path`` read it back.
-
-Without network ``load_dataset`` retries each Hub request for tens of seconds (more where
-packets are dropped rather than refused), so :func:`check_hub` asks first, once, with a short
-timeout, and offline mode (``HF_HUB_OFFLINE=1``) is refused before any call. Sources: the
-guide's "Data preprocessing" section; the ``datasets`` documentation, "Load" (local and remote
-files, packaged builders) and "Stream"; ``huggingface_hub``'s environment variables.
+:func:`check_hub` asks the Hub once with a short timeout, since ``load_dataset`` retries for tens
+of seconds offline. Sources: the ``datasets`` documentation, "Load" and "Stream".
 """
 
 from __future__ import annotations
@@ -160,13 +142,10 @@ def _offline_error(path: str, reason: str) -> ConnectionError:
 def check_hub(path: str) -> None:
     """Raise at once when ``path`` (from :func:`load_arguments`) is a Hub dataset the Hub cannot serve.
 
-    Local data (an absolute path or a builder of :data:`BUILDERS`) passes without a network call.
-    For a Hub id: when ``huggingface_hub`` was imported in offline mode, ``load_dataset`` reads
-    its local cache only (a dataset downloaded before, the usual way on a cluster's compute
-    nodes) and fails at once on a miss, so this passes; offline mode switched on after that
-    import (one of :data:`OFFLINE_VARIABLES` set now) is refused here, because ``datasets``
-    would not see it; else one ``HEAD`` request to the Hub endpoint (``HF_ENDPOINT``), through
-    ``huggingface_hub``'s HTTP session (its proxies), must answer within :data:`HUB_TIMEOUT` seconds.
+    Local data passes without a network call, and so does a Hub id when ``huggingface_hub`` was
+    imported in offline mode (``load_dataset`` then reads its cache). Offline mode switched on after
+    that import (:data:`OFFLINE_VARIABLES`) is refused, as ``datasets`` would not see it. Else one
+    ``HEAD`` request to ``HF_ENDPOINT`` must answer within :data:`HUB_TIMEOUT` seconds.
 
     Raises:
         ConnectionError: offline mode is on, or the Hub could not be reached; the message says
@@ -195,10 +174,8 @@ def read_dataset(source: str, text_key: str = "content", max_docs: int | None = 
     A row whose text is ``None`` yields :data:`MISSING_TEXT` (``missing_text="skip"``: counted and
     skipped by :func:`helpers.learn.corpus.collect_corpus`) or stops the read (``"refuse"``).
 
-    Makes the ``datasets.load_dataset`` call of :func:`load_arguments` (after :func:`check_hub`).
-    ``streaming=True`` reads rows as they arrive (the Hub's files are not downloaded first);
-    ``False`` downloads and converts the whole split to Arrow in the ``datasets`` cache before the
-    first row. Both give the same rows in the same order.
+    Makes the ``datasets.load_dataset`` call of :func:`load_arguments` (after :func:`check_hub`);
+    ``streaming=True`` reads rows as they arrive, ``False`` caches the split as Arrow first (same rows).
 
     Raises:
         ConnectionError: see :func:`check_hub`.

@@ -1,26 +1,14 @@
-"""megatron-core's Llama-style GPT <-> transformers ``LlamaForCausalLM``: one weight map, both directions.
+"""megatron-core's Llama-style GPT <-> transformers ``LlamaForCausalLM``: one weight map, both directions (notebook 06).
 
-The converter of :mod:`helpers.learn.conversion` for the ``llama`` architecture
-(:data:`helpers.learn.model.ARCHITECTURES`): RoPE, RMSNorm, SwiGLU, grouped-query attention, no
-biases; the output layer tied to the word embeddings or not (``tie_word_embeddings``). Both models
-are ``nn.Linear`` throughout, so no weight is transposed; what differs is how two fused matrices are cut:
-
-* ``linear_qkv.weight`` ``[(heads + 2g) * d, h]`` holds, for each of the g key/value groups in
-  turn, its ``heads / g`` query heads, then its key head, then its value head (megatron-core
-  ``SelfAttention.get_query_key_value_tensors``: ``view(g, heads/g + 2, d, h)``);
-  ``LlamaForCausalLM`` keeps ``q_proj`` ``[heads*d, h]``, ``k_proj`` and ``v_proj`` ``[g*d, h]``:
-  :func:`split_qkv` / :func:`merge_qkv`.
-* ``linear_fc1.weight`` ``[2f, h]`` is ``[W_gate; W_up]`` (megatron-core ``MLP`` with
-  ``gated_linear_unit``: ``silu(x1) * x2`` of ``chunk(2, dim=-1)``): ``gate_proj``, ``up_proj``.
-* RoPE: megatron-core's default (``rotary_interleaved=False``) rotates the two halves of each
-  head (``_rotate_half``), as ``LlamaForCausalLM``'s ``rotate_half`` does, with the same
-  ``inv_freq = base^(-2i/d)``: the query and key rows need no permutation (checked by the
-  logits in the tests, within 1e-5 in fp32).
+The converter of :mod:`helpers.learn.conversion` for the ``llama`` architecture (RoPE, RMSNorm,
+SwiGLU, grouped-query attention, no biases). Both are ``nn.Linear`` throughout, so nothing is
+transposed; two fused matrices are cut: ``linear_qkv.weight`` ``[(heads + 2g) * d, h]`` per query
+group (:func:`split_qkv` / :func:`merge_qkv`) and ``linear_fc1.weight`` ``[2f, h]`` = ``[W_gate; W_up]``.
+RoPE rotates the two halves of each head in both, so the query and key rows need no permutation.
 
 Sources: megatron-core 0.19.2 ``transformer/attention.py`` (``get_query_key_value_tensors``),
 ``transformer/mlp.py`` (``glu``), ``models/common/embeddings/rotary_pos_embedding.py``;
-transformers ``models/llama/modeling_llama.py``; Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``
-(the same QKV interleave when it writes Megatron checkpoints from Llama weights).
+transformers ``models/llama/modeling_llama.py``; Megatron-LM ``tools/checkpoint/loader_llama_mistral.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
-"""JSON Lines -> Megatron ``.bin/.idx``, and the cached end-to-end data pipeline.
+"""JSON Lines -> Megatron ``.bin/.idx``, as Megatron-LM's ``tools/preprocess_data.py`` does (notebook 01 §4, §7).
 
-What Megatron-LM's ``tools/preprocess_data.py`` does, written with megatron-core's own
-``IndexedDatasetBuilder`` (``megatron/core/datasets/indexed_dataset.py``): read the loose
-JSON, tokenize every document in parallel (``--workers``; here threads), append the
-end-of-document token (``--append-eod``), and write
+Written with megatron-core's ``IndexedDatasetBuilder`` (``megatron/core/datasets/indexed_dataset.py``):
+every document is tokenized (threads, :mod:`helpers.learn.encoders`), ends with the EOD token
+(``--append-eod``) and is one sequence.
 
-* ``<prefix>.bin``: all token ids, back to back, in the smallest dtype that holds the
-  vocabulary (``DType.optimal_dtype``: uint16 below 65,500 entries, else int32);
-* ``<prefix>.idx``: a header, the dtype, the length of every sequence, the byte offset of
-  every sequence and the document boundaries.
+* ``<prefix>.bin``: all token ids back to back, uint16 below 65,500 vocabulary entries, else int32;
+* ``<prefix>.idx``: a header, the dtype, each sequence's length and byte offset, the document boundaries.
 
-Two tokenizing engines (:mod:`helpers.learn.encoders`: gigatoken, or HF ``tokenizers`` in threads) give
-byte-identical files; notebook 01 writes the same files with a dozen lines of megatron-core calls.
-
-Here every document is one sequence (as with ``--append-eod`` and no sentence splitting).
-Empty documents are skipped and counted (Megatron-LM's newer ``preprocess_data_fast.py``
-would store them as a lone EOD token); the corpus writer never writes any.
-
-Notebook 01's stage as a whole (corpus -> JSON Lines -> tokenizer -> .bin/.idx, cached in one
-run folder) is ``helpers.runner.data_stage.build_data``; later notebooks read its outputs back with
-``helpers.runner.data_stage.data_paths`` after ``helpers.runner.series.require``.
+Empty documents are skipped and counted. Notebook 01's whole data stage is
+``helpers.runner.data_stage.build_data``.
 """
 
 from __future__ import annotations
@@ -106,30 +95,25 @@ def tokenize_to_indexed_dataset(
 ) -> PreprocessStats:
     """Tokenize a JSON Lines file into Megatron's ``<output_prefix>.bin/.idx``.
 
-    Equivalent to ``tools/preprocess_data.py --input jsonl --json-keys content
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer_dir --append-eod
-    --workers num_workers --output-prefix ...`` (which names its output
-    ``<output-prefix>_content_document``; here ``output_prefix`` is the full prefix).
-    Token dtype: ``DType.optimal_dtype(vocab_size)`` as in Megatron-LM.
+    Equivalent to Megatron-LM's ``tools/preprocess_data.py --json-keys content --tokenizer-type
+    HuggingFaceTokenizer --append-eod`` (which appends ``_content_document`` to its prefix; here
+    ``output_prefix`` is the full prefix). Token dtype: ``DType.optimal_dtype(vocab_size)``.
 
     Args:
         jsonl: input file, one JSON object per line with the text under ``json_key``.
         tokenizer_dir: folder written by :func:`helpers.learn.tokenizer.train_tokenizer`.
-        output_prefix: output path without extension; its folder must exist. Files are
-            written under temporary names and renamed at the end.
+        output_prefix: output path without extension; its folder must exist (files renamed into place).
         json_key: the key holding the text.
         append_eod: append the EOD token id after each document (the guide's ``--append-eod``).
-        num_workers: tokenizing workers (Megatron's ``--workers``), here threads; ``0`` uses
-            the engine's own thread pool over all cores. With gigatoken this sets
-            ``RAYON_NUM_THREADS`` during the call unless it is set already; its thread pool
-            is made once per process, so only the first call in a process decides its size.
+        num_workers: tokenizing threads (Megatron's ``--workers``); ``0``: the engine's own pool
+            over all cores. For gigatoken it sets ``RAYON_NUM_THREADS``; only a process's first
+            call decides the pool's size.
         chunk_size: documents sent to a ``tokenizers`` worker at a time (gigatoken encodes
             :data:`GIGATOKEN_BATCH_DOCUMENTS` documents per call).
         overwrite: replace an existing ``.bin/.idx``.
         progress: show a tqdm progress bar (documents).
-        engine: ``"auto"``, ``"gigatoken"`` or ``"tokenizers"`` (see :func:`resolve_engine`);
-            both write byte-identical files. A literal ``<|endoftext|>`` inside a document is
-            encoded as text by both, never as the EOD id.
+        engine: ``"auto"``, ``"gigatoken"`` or ``"tokenizers"`` (:func:`resolve_engine`); a literal
+            ``<|endoftext|>`` in a document is encoded as text by both, never as the EOD id.
 
     Returns:
         :class:`PreprocessStats` with counts, sizes and wall seconds.
@@ -232,12 +216,9 @@ class DamagedDataError(ValueError):
 def open_indexed_dataset(prefix: str | os.PathLike):
     """megatron-core ``IndexedDataset`` over ``<prefix>.bin/.idx`` (memory-mapped), the pair checked first.
 
-    ``ds[i]`` is document ``i``'s token ids (numpy, the stored dtype); ``ds.sequence_lengths``
-    the length of every sequence in tokens. The ``.bin`` must be exactly as long as the ``.idx``
-    says: the last document's byte offset plus its length x the dtype's size
-    (``megatron/core/datasets/indexed_dataset.py``, ``_IndexReader``); megatron-core itself checks
-    nothing and fails on the first document past the end ("offset must be non-negative and no
-    greater than buffer length"), naming no file.
+    ``ds[i]`` is document ``i``'s token ids (numpy, the stored dtype); ``ds.sequence_lengths`` in
+    tokens. The ``.bin`` must be as long as the ``.idx`` says (``megatron/core/datasets/indexed_dataset.py``,
+    ``_IndexReader``); megatron-core itself fails past the end naming no file.
 
     Raises:
         FileNotFoundError: the ``.bin`` or ``.idx`` is missing.

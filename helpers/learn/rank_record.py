@@ -1,28 +1,14 @@
-"""What one rank of a Megatron-LM run held in memory, and when it computed: measured, not predicted.
+"""What one rank of a Megatron-LM run held in memory, and when it computed: measured (notebook 05b).
 
-Notebook 05b measures each memory saver with this. It is switched on by one environment
-variable, ``SERIES_RANK_RECORD=<folder>``, read by ``helpers/learn/pretrain_gpt.py``; each rank
-then writes ``<folder>/rank_<r>.json`` when training ends:
+With ``SERIES_RANK_RECORD=<folder>`` set, ``helpers/learn/pretrain_gpt.py`` makes each rank write
+``<folder>/rank_<r>.json`` at the end of training:
 
-* **states**, from the tensors the rank holds after the last step: the model's parameters
-  (``weights``), megatron-core's gradient buffers (``gradients``: ``DistributedDataParallel``
-  keeps every gradient in one contiguous fp32 buffer, ``main_grad``, padded so that each
-  data-parallel rank's part is equal and aligned), and the optimizer's state (Adam's ``exp_avg``
-  and ``exp_avg_sq`` and step, plus fp32 master weights where they are new tensors: with bf16
-  training; the distributed optimizer keeps only this rank's shard).
-* **activations**, from the tensors autograd saves for backward, counted by
-  ``torch.autograd.graph.saved_tensors_hooks`` around each micro-batch's forward (each storage
-  once; parameters are not activations and are left out). A micro-batch's saved tensors are held
-  until its backward ends, so the peak is the largest sum over the micro-batches *in flight*.
-* **timeline**: the start and end (``time.monotonic()``, the same clock on every process of the
-  machine) of every forward and backward of every micro-batch and model chunk, for the pipeline
-  schedule as it ran.
+* **states**: parameters, megatron-core's fp32 ``main_grad`` buffers and the optimizer's state;
+* **activations**: the tensors autograd saves for backward (``saved_tensors_hooks``), per micro-batch;
+* **timeline**: ``time.monotonic()`` start and end of every forward and backward.
 
-How: the probe wraps three functions of megatron-core's pipeline schedules and the loop,
-``schedules.forward_step``, ``schedules.backward_step`` (every schedule calls these for each
-micro-batch: ``megatron/core/pipeline_parallel/schedules.py``) and ``training.train_step`` /
-``training.train`` (``megatron/training/training.py``); nothing else changes, and the arithmetic
-is the same (a run's losses with and without the probe are identical).
+It wraps ``schedules.forward_step`` / ``backward_step`` (``megatron/core/pipeline_parallel/schedules.py``)
+and ``training.train_step`` / ``train`` (``megatron/training/training.py``); losses are unchanged.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Train, save and load the byte-level BPE tokenizer of the series (GPT-2 style).
+"""Train, save and load the byte-level BPE tokenizer of the series (GPT-2 style; notebook 01 §3).
 
-The guide's CodeParrot model uses a byte-level BPE of 32,768 entries trained on its code
-corpus and hands Megatron-LM the tokenizer's ``vocab.json`` and ``merges.txt``. This module
-trains the same kind of tokenizer with Hugging Face ``tokenizers`` (GPT-2's byte-level
-pre-tokenizer and decoder, no prefix space) and writes one folder that every tool reads:
-
-* ``vocab.json`` + ``merges.txt``: the files of the guide (``--vocab-file``/``--merge-file``),
-* ``tokenizer.json`` + ``tokenizer_config.json``: what ``AutoTokenizer.from_pretrained`` and
-  Megatron-LM's ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model <folder>`` load
-  offline.
-
-The only special token is ``<|endoftext|>`` (id 0), used as the end-of-document (EOD) token
-that ``--append-eod`` puts after every document. Byte-level BPE has no unknown token: any
-text encodes, and ``decode(encode(text)) == text`` exactly.
+Trained with Hugging Face ``tokenizers`` (GPT-2's byte-level pre-tokenizer, no prefix space) into
+one folder every tool reads: ``vocab.json`` + ``merges.txt`` (Megatron-LM's ``--vocab-file`` /
+``--merge-file``) and ``tokenizer.json`` + ``tokenizer_config.json`` (``AutoTokenizer`` and
+``--tokenizer-type HuggingFaceTokenizer``). The only special token is ``<|endoftext|>`` (id 0),
+the EOD token; any text encodes and ``decode(encode(text)) == text`` exactly.
 """
 
 from __future__ import annotations
@@ -75,15 +67,12 @@ def train_tokenizer(
 ) -> Path:
     """Train a byte-level BPE on ``texts`` and save it as a tokenizer folder.
 
-    Implements GPT-2's byte-level BPE (Radford et al. 2019, section 2.2) with HF
-    ``tokenizers.trainers.BpeTrainer``; the folder layout is what Megatron-LM's
-    ``tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model``
-    and ``transformers.AutoTokenizer`` read.
+    GPT-2's byte-level BPE (Radford et al. 2019, section 2.2) with ``tokenizers.trainers.BpeTrainer``,
+    in the folder Megatron-LM's ``--tokenizer-type HuggingFaceTokenizer`` and ``AutoTokenizer`` read.
 
     Args:
         texts: training documents (the train split only, so held-out files stay unseen).
-        out_dir: folder to write; created if missing (its parent must exist). The files are
-            written into a temporary folder and moved in at the end.
+        out_dir: folder to write (via a temporary folder); created if missing, its parent must exist.
         vocab_size: entries in the vocabulary, special tokens included (8192 on CPU; the
             guide's CodeParrot used 32768). A small corpus may yield fewer entries.
         min_frequency: a merge must occur at least this often.

@@ -1,13 +1,9 @@
 """``make book``: a run's executed notebooks as a static HTML site, read before running anything.
 
-``python -m helpers.runner.book [RUN_DIR]`` (default ``runs/latest``) writes ``RUN_DIR/book/``: one page per
-executed notebook (nbconvert's ``HTMLExporter`` with JupyterLab's template: outputs and figures
-included, images inlined, the run's figures copied, so the folder is self-contained), one per executed solutions notebook
-under ``solutions/`` when ``make solutions`` ran (else the links to them say to run it), links between
-notebooks pointing at the pages, previous / contents / next links on every page, one parameters cell
-per page (papermill's injected values folded in as a comment), paths relative to the repository, MathJax
-copied beside the pages (the site needs no network), and ``index.html`` listing them in order with the run's
-report card (``report.md``).
+``python -m helpers.runner.book [RUN_DIR]`` (default ``runs/latest``) writes ``RUN_DIR/book/``: one
+self-contained page per executed notebook (and per solutions notebook under ``solutions/`` when
+``make solutions`` ran), previous / contents / next links, MathJax copied beside the pages (no network
+needed), and ``index.html`` listing them in order with the run's report card (``report.md``).
 Open ``book/index.html`` in a browser, or serve the folder (``python -m http.server -d RUN_DIR/book``).
 
 Source: nbconvert's documentation, "Using as a library" (``HTMLExporter``, ``template_name``);

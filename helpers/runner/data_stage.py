@@ -169,51 +169,30 @@ def build_data(
 ) -> DataPaths:
     """Notebook 01's stage: make (or reuse) the whole data stage in ``{run_dir}/data``; cached.
 
-    Steps, each skipped when its output exists: collect and clean the corpus
-    (:func:`helpers.learn.corpus.collect_corpus`) -> ``codeparrot_data.json`` -> train the BPE on
-    the *train-split* documents only (:func:`helpers.learn.tokenizer.train_tokenizer`) ->
-    ``codeparrot_content_document.bin/.idx`` (:func:`tokenize_to_indexed_dataset`).
-    The settings used are stored in ``data/data_manifest.json``.
-
-    A setting left ``None`` means "what this run folder was made with", or the default of
-    :data:`DEFAULT_SETTINGS` for a new folder (stdlib source, key ``content``, all files,
-    vocab 8192, split ``969,30,1``, seed 1234, the guide's filters only, no installed packages:
-    notebook 01 passes ``more_filtering=True`` and ``package_files=8``, its parameters' defaults). Later notebooks do not call this: they call
-    ``helpers.runner.series.require`` (which runs notebook 01 when its files are missing) and then
-    :func:`data_paths`.
+    Steps, each skipped when its output exists: the cleaned corpus ``codeparrot_data.json``
+    (:func:`helpers.learn.corpus.collect_corpus`) -> a BPE trained on the *train-split* documents only
+    (:func:`helpers.learn.tokenizer.train_tokenizer`) -> ``codeparrot_content_document.bin/.idx``
+    (:func:`tokenize_to_indexed_dataset`). The settings are stored in ``data/data_manifest.json``; a setting
+    left ``None`` means the run folder's, or :data:`DEFAULT_SETTINGS` for a new folder. Later notebooks call
+    ``helpers.runner.series.require`` and :func:`data_paths` instead.
 
     Args:
-        run_dir: the run folder.
-        source, text_key, max_files, seed, more_filtering, package_files: see
-            :func:`helpers.learn.corpus.collect_corpus` (``package_files`` is stored as 0 for a given
-            ``source``, which it does not apply to).
-        hf_split, hf_streaming: with a dataset source (``"hf:..."``), ``load_dataset``'s split
-            (a data setting; the default ``"train"`` is stored for other sources, which it does
-            not apply to) and streaming (not one: both read the same rows). The source is stored
-            with its local paths made absolute (:func:`helpers.learn.hub_datasets.canonical`).
-        vocab_size: tokenizer size, see :func:`helpers.learn.tokenizer.train_tokenizer`; with
-            ``more_filtering`` also the size of the BPE that measures characters per token.
-        split: Megatron's ``--split`` weights "train,valid,test"; the tokenizer is trained on
-            the train part only.
-        num_workers: tokenizing threads (see :func:`tokenize_to_indexed_dataset`).
-        progress: show progress bars.
-        engine: tokenizing engine, see :func:`tokenize_to_indexed_dataset` (the files do not
-            depend on it, so it is not a data setting; the one that ran is in the manifest).
-        missing_text: rows without text (``None``, a JSON ``null``): ``"skip"`` counts them under the
-            filter ``missing``, ``"refuse"`` stops (see :func:`helpers.learn.corpus.collect_corpus`); not a
-            data setting: when it does not stop, both give the same data.
-        stop_after: ``"corpus"`` or ``"tokenizer"`` to run only up to that step (notebook 01
-            shows the steps one at a time); ``None`` runs them all.
+        source, text_key, max_files, seed, more_filtering, package_files, hf_split, hf_streaming:
+            see :func:`helpers.learn.corpus.collect_corpus`.
+        missing_text: rows without text: ``"skip"`` counts them, ``"refuse"`` stops. It, ``engine``,
+            ``num_workers`` and ``hf_streaming`` are not data settings (the files do not depend on them).
+        vocab_size: tokenizer size (:func:`helpers.learn.tokenizer.train_tokenizer`).
+        split: Megatron's ``--split`` weights "train,valid,test".
+        stop_after: ``"corpus"`` or ``"tokenizer"`` to run only up to that step; ``None`` runs them all.
 
     Returns:
         :class:`DataPaths`.
 
     Raises:
         ValueError: a given setting differs from the one the existing data was made with
-            (the message names it and the fix: a new run folder); or the errors of the steps.
+            (the message names it and the fix: a new run folder).
         helpers.support.run_guard.DiskFullError: the data would not fit on the run folder's disk (checked
-            once the corpus is read, before a file is written), or the disk filled up (files are
-            written to temporary names, so none is left half-written).
+            once the corpus is read, before a file is written), or the disk filled up.
         FileNotFoundError / ValueError: from the corpus, tokenizer and preprocessing steps.
     """
 

@@ -140,10 +140,8 @@ def resolve_parameters(
 
     Args:
         selected: notebook paths, in order.
-        profile: a key of :data:`PROFILES`.
         overrides: ``{"name": value}`` (to every notebook defining it) or
             ``{"NN_stem.name": value}`` (to that notebook only).
-        run_dir: the run folder passed to every notebook.
 
     Returns:
         ``{stem: {parameter: value}}``.

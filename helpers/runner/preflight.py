@@ -1,12 +1,9 @@
-"""Preflight: what a training run will cost, worked out before any process starts.
+"""Preflight: what a training run will cost, worked out before any process starts (notebook 03, the runner).
 
-Notebook 03 and the series runner print it before training: tokens per epoch of the training
-split, the epochs the run will make over it, tokens in all, memory per GPU (notebook 05's memory
-calculator, :func:`helpers.learn.memory.memory_per_gpu`) and an estimated wall time from a
-stated throughput. A run that would repeat its training data more than ``max_epochs`` times is
-refused with :class:`RepeatedDataError` unless the caller raises the limit (``max_epochs=0``:
-no limit). The guide's full recipe (``codeparrot-small``: 150,000 x 192 x 1024 tokens) over
-this machine's corpus of a few million tokens is such a run: thousands of epochs.
+Tokens per epoch of the training split, epochs, tokens in all, memory per GPU
+(:func:`helpers.learn.memory.memory_per_gpu`) and an estimated wall time. A run that would repeat its
+training data more than ``max_epochs`` times raises :class:`RepeatedDataError` (``max_epochs=0``: no
+limit); the guide's full recipe (150,000 x 192 x 1024 tokens) over this corpus would make thousands.
 
 Sources: Muennighoff et al. 2023, "Scaling Data-Constrained Language Models"
 (arXiv:2305.16264), sections 5-6 (up to about 4 epochs are worth nearly as much as new data;
@@ -156,11 +153,11 @@ def preflight(cfg, *, nproc: int = 1, tokens_per_epoch: int | None = None, devic
     """Work out ``cfg``'s run (a :class:`helpers.learn.training_config.TrainingConfig`) on ``nproc`` processes.
 
     Args:
-        tokens_per_epoch: training tokens of the data; default read from ``cfg.data_prefix_path``
-            when its ``.idx`` and the run folder's data manifest exist (else left unknown).
+        tokens_per_epoch: training tokens of the data; default read from ``cfg.data_prefix_path``'s ``.idx``
+            and the data manifest when they exist (else unknown).
         device: ``"cuda:<name>"`` or ``"cpu"``; default this machine's.
-        matmul_gflops: on a CPU, this machine's speed for the time estimate (GFLOP/s of a 512x512 fp32 matrix
-            multiply; default measured now, 0.5 s: :func:`helpers.runner.readiness.matmul_gflops`).
+        matmul_gflops: on a CPU, GFLOP/s of a 512x512 fp32 matrix multiply for the time estimate
+            (default measured now, 0.5 s: :func:`helpers.runner.readiness.matmul_gflops`).
 
     Raises:
         TypeError, ValueError: values :meth:`TrainingConfig.check` refuses (without its file
@@ -224,14 +221,11 @@ def _cpu_speed() -> float:
 def check_run(cfg, *, nproc: int = 1, max_epochs: float = MAX_EPOCHS, config_name: str = "run.json") -> Preflight | None:
     """Every check of one training run, in one pass, before anything starts (what :func:`helpers.runner.launch.train` runs).
 
-    In order: the configuration's values and files (:meth:`TrainingConfig.check`), the run and
-    checkpoint folders (writable, no other job training them), the checkpoint to resume from
-    (the same model shape, every shard whole), then the plan (:func:`preflight`): the epochs
-    over the training data and the disk the checkpoints to come need.
+    In order: the configuration (:meth:`TrainingConfig.check`), the run and checkpoint folders, the
+    checkpoint to resume from, then the plan (:func:`preflight`): epochs and the checkpoints' disk.
 
     Returns:
-        The :class:`Preflight` of the run, or ``None`` when the checkpoint folder already holds this
-        run, finished (``train_iters`` reached and its summary written: nothing to train).
+        The :class:`Preflight` of the run, or ``None`` when the checkpoint folder already holds this run, finished.
 
     Raises:
         TypeError / ValueError / FileNotFoundError: the configuration (:meth:`TrainingConfig.check`).

@@ -1,17 +1,11 @@
 """Is this machine ready for the series? ``make check`` and notebook 00, in seconds.
 
-A workshop instructor runs it on every laptop before the day (``make check``, under 30 s), and a
-learner sees the same facts in notebook 00. Standard library only, so it runs before anything is
-installed (with the interpreter ``tools/find-python`` picks); it ends with one line, ``ready`` or
-what to fix.
-
-Checked: the Python version (3.12 or 3.13, megatron-core 0.19.2's), free disk where the series
-writes (its ``.venv`` and a run folder), memory, usable cores, whether the packages are installed
-(``.venv/.installed``) or a wheelhouse is there to install them offline (``make wheelhouse``),
-whether JupyterLab's port is free, and an estimated series time from a short measurement: a
-float matrix multiply in the installed torch when there is one (the series' time is mostly
-matrix multiplies), else a pure-Python loop (rougher), each scaled by the same measurement on
-the run the series' time was measured in (:mod:`helpers.runner.timings`).
+An instructor runs it on every laptop before the day (under 30 s); a learner sees the same facts in
+notebook 00. Standard library only, so it runs before anything is installed; it ends with one line,
+``ready`` or what to fix. Checked: the Python version (3.12 or 3.13, megatron-core 0.19.2's), free
+disk, memory, usable cores, the installed packages or a wheelhouse, JupyterLab's port, and an estimated
+series time: a short matrix multiply (else a pure-Python loop) scaled by the same measurement on the
+recorded run (:mod:`helpers.runner.timings`).
 """
 
 from __future__ import annotations

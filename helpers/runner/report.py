@@ -58,13 +58,10 @@ def record_start(run_dir: str | os.PathLike, *, profile: str, overrides: dict[st
                  notebooks: Iterable[str] = ()) -> dict[str, Any]:
     """Record the facts of the start of a run as ``summary["series"]["start"]``.
 
-    The environment table of :func:`helpers.support.environment.report` (versions, Apex, Transformer
-    Engine, CUDA and GPUs), the git commit and whether the tree had changes (``git status
-    --porcelain``, untracked files included), the CPU model, logical and usable cores, memory
-    (GiB), the load average (1/5/15 min), the speed of a matrix multiply and of a Python loop (about 1 s;
-    :func:`helpers.runner.readiness.matmul_gflops`), the profile, the overrides and the series'
-    notebooks (``notebooks``, stems, to name those that did not run). The record of the last series run that
-    finished is kept as ``summary["series"]["last_finished"]`` (``start`` and ``end``), so a failed rerun does not lose it.
+    The environment table of :func:`helpers.support.environment.report`, the git commit and whether the tree
+    had changes (untracked files included), the CPU, cores, memory (GiB), load average (1/5/15 min), a matrix
+    multiply's and a Python loop's speed (about 1 s), the profile, the overrides and the series' notebooks.
+    The last finished series run stays as ``summary["series"]["last_finished"]``, so a failed rerun keeps it.
 
     Returns:
         The recorded dict.

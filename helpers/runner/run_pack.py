@@ -3,35 +3,11 @@
 Command line (the Makefile's ``pack`` and ``unpack``)::
 
     python -m helpers.runner.run_pack pack runs/latest                  # -> runs/<name>.tar.gz, prints its size
-    python -m helpers.runner.run_pack pack runs/latest --out /media/usb/run.tar.gz
-    python -m helpers.runner.run_pack unpack run.tar.gz                 # -> runs/<name>/ (+ runs/latest if absent)
-    python -m helpers.runner.run_pack unpack run.tar.gz --name mine     # -> runs/mine/
+    python -m helpers.runner.run_pack unpack run.tar.gz --name mine     # -> runs/mine/ (+ runs/latest if absent)
 
-An instructor runs the series once (``make tutorial``: ``runs/<profile>-<time>/``), packs that run folder,
-and hands the archive out; a learner unpacks it into their clone. The notebooks then find the data,
-the trained checkpoints and the converted model where :data:`helpers.runner.series.PRODUCES` says, and
-skip the work (notebook 03 returns the finished run: ``helpers.runner.preflight.check_run``).
-
-The archive is a gzip'd tar holding one folder, ``<name>/``: the run folder's files less
-:data:`LEFT_OUT` (failed attempts, lock files, temporary files, the dataset index caches, which are keyed by
-the data's absolute path and so useless at another path: megatron-core rebuilds them in seconds), plus
-``<name>/run_pack.json`` (:data:`MANIFEST_NAME`): where and when it was packed, its files and bytes, what was
-left out. Owners are stored as 0/empty (no user names of the packing machine).
-
-A run folder holds absolute paths of the machine that made it (``run.json``'s ``run_dir``, the
-checkpoint paths in ``summary.json`` and ``training_summary.json``, the arguments inside the checkpoints,
-the executed notebooks' ``run_dir`` parameter). None of them is read back to find a file:
-``TrainingConfig.from_json`` reads a moved ``run.json`` as the folder that holds it, and every other reader
-derives its paths from the run folder it is given. ``tests/test_run_pack.py`` unpacks a packed smoke run at
-another path and re-executes notebook 07 there without training again.
-
-Unpacking refuses, before anything is written: a file that is not a gzip'd tar, an archive that is not
-one run folder with a ``summary.json``, a member that would land outside that folder (an absolute path,
-``..``, a link, a device), and a destination that exists. Members are then extracted with tarfile's
-``filter="data"`` (PEP 706) into a temporary folder beside the destination and renamed into place, so
-an interrupted unpack leaves no half run folder. Packing refuses a folder that is not a run folder and
-one a job is writing (its ``series.lock`` or ``training.lock`` is held, :mod:`helpers.support.run_guard`),
-and holds those locks while it reads.
+An instructor packs one ``make tutorial`` run folder; a learner unpacks it, and the notebooks find the
+data, checkpoints and converted model where :data:`helpers.runner.series.PRODUCES` says and skip the work.
+No absolute path inside a run folder is read back to find a file, so it works at another path.
 
 Sources: Python's ``tarfile`` documentation, "Extraction filters" (``filter="data"``); PEP 706.
 """
@@ -148,9 +124,8 @@ def default_archive(run_dir: str | os.PathLike) -> Path:
 def pack(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> PackResult:
     """Write run folder ``run_dir`` as one gzip'd tar ``out`` (default :func:`default_archive`).
 
-    The archive holds ``<name>/...`` (``name``: the run folder's own name, ``runs/latest`` resolved)
-    less :data:`LEFT_OUT`, plus ``<name>/run_pack.json``. It is written to a temporary file beside
-    ``out`` and renamed over it, so a failed pack leaves no partial archive.
+    The archive holds ``<name>/...`` (the run folder's own name) less :data:`LEFT_OUT`, plus
+    ``<name>/run_pack.json``; it is written to a temporary file and renamed, so a failed pack leaves nothing.
 
     Returns:
         :class:`PackResult` (archive bytes, files and bytes packed, seconds).
@@ -273,11 +248,9 @@ def _kind(m: tarfile.TarInfo) -> str:
 
 
 def unpack(archive: str | os.PathLike, runs_dir: str | os.PathLike | None = None, *, name: str | None = None) -> UnpackResult:
-    """Unpack a :func:`pack` archive into ``runs_dir/<name>`` (default ``runs/`` of this clone, the archive's
-    folder name); point ``runs_dir/latest`` at it when there is no ``latest`` yet.
-
-    Every check of :func:`check_archive` runs first; the members are then extracted with
-    ``filter="data"`` into a temporary folder in ``runs_dir`` and renamed to ``<name>``.
+    """Unpack a :func:`pack` archive into ``runs_dir/<name>`` (default ``runs/``, the archive's folder name);
+    point ``runs_dir/latest`` at it when there is no ``latest`` yet. Every check of :func:`check_archive`
+    runs first; members are extracted with ``filter="data"`` into a temporary folder, then renamed.
 
     Returns:
         :class:`UnpackResult`.

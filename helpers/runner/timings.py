@@ -1,18 +1,10 @@
 """The measured run behind every time the series states, and how far the estimates land from it.
 
-One finished run of the cpu profile, made by ``make tutorial`` in a fresh clone on a 2-core machine, is
-recorded in ``data/measured_cpu_run.json``: each notebook's wall time, the machine (CPU, cores, memory,
-the torch matrix-multiply speed measured when the run started) and its load, and notebook 03's
-training launch (wall time, tokens/s, FLOPs per token). Everything that states a time reads it:
-
-* the runner's progress lines (the series' time left, :func:`notebook_seconds`);
-* ``make check``'s estimate of the series here (:func:`series_estimate`: the recorded series time
-  scaled by the ratio of the two matrix-multiply speeds);
-* the preflight's training time on a CPU (:func:`training_estimate`: the recorded launch's model FLOP/s
-  and start-up, scaled the same way);
-* the instructor guide's time table (``docs/instructor.md``, between the markers, :func:`guide_table`).
-
-Standard library only: ``make check`` reads it before anything is installed.
+``data/measured_cpu_run.json`` records one ``make tutorial`` run of the cpu profile on a 2-core machine:
+each notebook's wall time, the machine and its load (with its torch matrix-multiply speed), and notebook
+03's training launch (wall time, tokens/s, FLOPs per token). The runner's time left, ``make check``'s
+estimate, the preflight's CPU training time (each scaled by the ratio of matrix-multiply speeds) and
+``docs/instructor.md``'s time table all read it. Standard library only: ``make check`` reads it early.
 
 Command line::
 

@@ -1,13 +1,9 @@
 """Progress bars an executed notebook keeps as the text of their final state.
 
-``tqdm.auto`` draws a notebook's progress bars as ipywidgets. An executed notebook saves each bar as
-a widget view plus a ``text/plain`` fallback of its *first* state (``training: 0% | 0/1000``), and the
-widgets' last state separately, in the notebook's metadata (``application/vnd.jupyter.widget-state+json``).
-JupyterLab opening the file, and the static book, show the fallback: a bar frozen at 0 % although the
-work finished. :func:`progress_as_text` writes every tqdm bar's final state as its text, as tqdm prints
-it in a terminal (``training: 100%|##########| 1000/1000 [01:43<00:00, 10.34it/s]``), drops the widget
-views and the saved widget state, and leaves every other output as it is. The series runner applies it
-to each notebook it executes; ``make book`` to each page.
+An executed notebook saves each ``tqdm.auto`` bar as a widget view plus a ``text/plain`` fallback of
+its *first* state (``training: 0% | 0/1000``), which JupyterLab and the static book show.
+:func:`progress_as_text` writes each bar's final state as tqdm prints it in a terminal and drops the
+widget views and state; the series runner applies it to each notebook it executes, ``make book`` to each page.
 
 Source: tqdm ``notebook.py`` (``tqdm_notebook.status_printer``: an ``HBox`` of an ``HTML`` prefix, a
 ``FloatProgress`` bar and an ``HTML`` suffix); the ipywidgets widget-state and widget-view MIME types

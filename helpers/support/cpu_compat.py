@@ -1,34 +1,13 @@
-"""The one place that patches megatron-core so it trains on a machine without CUDA.
+"""The one place that patches megatron-core so it trains on a machine without CUDA (notebook 03 §4).
 
-megatron-core 0.19.2 is written for GPUs: a handful of its functions ask for a CUDA device,
-a CUDA stream, a CUDA RNG state or a CUDA synchronisation even when every tensor lives on the CPU.
-So does Megatron-LM's training loop, ``megatron.training``, which the same wheel ships
-(:data:`TRAINING_SHIMS`: what ``helpers/learn/pretrain_gpt.py`` needs to run ``pretrain`` on a CPU). Each
-:class:`Shim` below names the megatron-core version and the ``file:line`` it works around,
-and ``tests/test_cpu_compat.py`` shows, per shim, that the unpatched call still fails on CPU
-(so the test fails, and the shim can go, the day megatron-core stops needing it).
-
-Three kinds of patch are used, all scoped to megatron-core's own code:
-
-* **device redirect**: the module's global ``torch`` is replaced by :class:`CpuTorch`, a thin
-  proxy of ``torch`` on which ``torch.cuda.current_device()`` is the CPU device,
-  ``torch.cuda.current_stream()`` is the CPU stream, ``torch.cuda.synchronize()`` does nothing, and factory functions (``torch.zeros(...,
-  device="cuda")``) allocate on the CPU. The rest of the program's ``torch`` is untouched.
-* **method wrapper**: a megatron-core method (:data:`METHOD_SHIMS`) runs, only for the duration
-  of that call, with ``Tensor.cuda()`` returning the tensor itself, or with ``Tensor.type()``
-  naming a CPU float tensor as its CUDA type (the distributed optimizer sorts parameters by it); or
-  torch's norms are built under sequence parallelism with their weights marked for it.
-* **function replacement**: a megatron function whose CUDA-only line is an assertion or a
-  GPU warm-up is replaced by the same function without it (:data:`FUNCTION_SHIMS`).
-* **RNG tracker**: megatron-core's ``CudaRNGStatesTracker`` (tensor_parallel/random.py) keeps
-  one named CUDA generator state per parallel stream (data-parallel, tensor-model-parallel,
-  expert). :class:`CpuRNGStatesTracker` keeps the same streams, with the same seeds, as CPU
-  generator states.
-
-Usage (idempotent; a no-op when CUDA is available)::
-
-    from helpers.support import cpu_compat
-    cpu_compat.apply()
+megatron-core 0.19.2 and its ``megatron.training`` loop ask for a CUDA device, stream, RNG state
+or synchronisation even when every tensor is on the CPU. Each :class:`Shim` names the version and
+``file:line`` it works around; ``tests/test_cpu_compat.py`` shows the unpatched call still fails
+on CPU. Kinds: a device redirect (the module's ``torch`` becomes :class:`CpuTorch`), method wrappers
+(:data:`METHOD_SHIMS`), function replacements (:data:`FUNCTION_SHIMS`), and
+:class:`CpuRNGStatesTracker` for ``tensor_parallel/random.py``'s ``CudaRNGStatesTracker``.
+:data:`TRAINING_SHIMS` are what ``helpers/learn/pretrain_gpt.py`` needs. :func:`apply` applies
+them (idempotent; a no-op with CUDA).
 """
 
 from __future__ import annotations
@@ -775,22 +754,15 @@ def _unpatch(training: bool) -> None:
 def apply(force: bool = False, training: bool | None = None) -> bool:
     """Patch megatron-core for CPU-only training (idempotent).
 
-    Makes these work on CPU over gloo: ``GPTModel`` forward/backward (local spec),
-    ``tensor_parallel.model_parallel_cuda_manual_seed`` and the RNG tracker (dropout),
-    ``pipeline_parallel.get_forward_backward_func()`` schedules at PP=1 and PP>1,
-    megatron-core ``DistributedDataParallel`` grad buffers, ``get_megatron_optimizer``, a mixture of
-    experts' router (its experts over expert-parallel ranks with the all-gather dispatcher), and
-    ``dist_checkpointing`` save/load in the torch_dist format; and, in a process that runs it,
-    Megatron-LM's own loop, ``megatron.training.pretrain`` (:data:`TRAINING_SHIMS`). See
-    :data:`SHIMS` for the exact megatron-core 0.19.2 lines.
+    Makes ``GPTModel`` (local spec), the RNG tracker, the pipeline schedules, ``DistributedDataParallel``,
+    ``get_megatron_optimizer``, MoE routing, ``dist_checkpointing`` and ``megatron.training.pretrain``
+    (:data:`TRAINING_SHIMS`) work on CPU over gloo. :data:`SHIMS` names the megatron-core 0.19.2 lines.
 
     Args:
         force: apply even when CUDA is available (tests only).
         training: ``True``: import ``megatron.training`` and patch it now; ``False``: leave it alone;
-            default: patch it now if this process imported it already, else the moment it is imported
-            (so ``apply()`` may come first in Megatron-LM's ``pretrain_gpt.py``; ``apply()`` itself never
-            imports it, whose ``training.py`` sets the root logger to INFO). A later call with ``training``
-            adds those shims to the ones applied.
+            default: patch it when it is imported (``apply()`` never imports it: its ``training.py``
+            sets the root logger to INFO).
 
     Returns:
         True when the shims are (now) applied; False when CUDA is available and nothing

@@ -81,10 +81,8 @@ def docker_run_command(
 ) -> str:
     """The ``docker run`` command that starts the NGC container with this repository mounted.
 
-    The flags follow NVIDIA's advice for PyTorch containers: ``--gpus`` exposes the GPUs,
-    ``--shm-size`` (or ``--ipc=host``) gives the data-loader workers and NCCL enough shared
-    memory (Docker's default 64 MB makes multi-process training crash), and the ``memlock`` /
-    ``stack`` ulimits are what NCCL and CUDA expect. JupyterLab's port is published.
+    NVIDIA's flags for PyTorch containers: ``--gpus``, ``--shm-size`` (Docker's 64 MB default
+    crashes multi-process training), the ``memlock`` / ``stack`` ulimits, and JupyterLab's port.
 
     Args:
         repo_dir: this repository on the host (mounted read-write at ``workdir``).

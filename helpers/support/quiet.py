@@ -1,20 +1,11 @@
 """The one place that decides which of megatron-core's and torch's routine messages a learner sees.
 
-On a machine without Transformer Engine, Apex or CUDA, importing megatron-core 0.19.2 prints
-about a dozen warnings, building a ``GPTModel`` logs that it is deprecated, and every process's
-first checkpoint save logs that megatron-core's own async save is deprecated. Each is expected
-here, and each would repeat in every notebook and every torchrun rank. :data:`KNOWN` lists them
-with their source and what they mean; :func:`apply` hides exactly those (nothing else) and counts
-what it hid, so a notebook can explain each one once (notebook 00 shows the table, notebook 03
-the ``GPTModel`` deprecation) instead of printing it on every save.
-
-Importing :mod:`helpers` calls :func:`apply`, so it runs before megatron-core in every notebook
-and every torchrun entry point (``-m helpers.learn.pretrain_gpt``)::
-
-    import helpers                # or: from helpers.learn import ...
-    import megatron.core          # megatron.core.__version__ == "0.19.2", no warnings
-
-To see everything megatron-core prints, set ``HELPERS_QUIET=0`` (or ``false``) in the environment first.
+Without Transformer Engine, Apex or CUDA, megatron-core 0.19.2 prints about a dozen warnings on
+import, a ``GPTModel`` deprecation, and an async-save deprecation at each process's first save.
+:data:`KNOWN` lists them with their source and meaning; :func:`apply` hides exactly those and
+counts them (notebook 00 §4 shows the table, notebook 03 the ``GPTModel`` deprecation).
+``import helpers`` calls :func:`apply`, so it runs before megatron-core in every notebook and
+torchrun process. Set ``HELPERS_QUIET=0`` (or ``false``) to see everything.
 """
 
 from __future__ import annotations

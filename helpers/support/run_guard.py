@@ -1,29 +1,13 @@
 """Guards for a run folder: its training job stops when its launcher dies, one job trains it at a
 time, and a folder that cannot be written or has too little space is refused before anything starts.
 
-torch elastic starts every worker in a session of its own, so killing the launcher's process
-group (``kill -9 -PGID``, a closed laptop lid, a crashed kernel) does not reach the trainer: it
-would go on writing checkpoints and metrics into a run folder that a rerun is already using.
-
-- :func:`watch_launcher` (called first by ``helpers.learn.pretrain_gpt.main``) starts a thread that
-  notices when the process's parent (torchrun's agent) or the launching process named by
-  ``HELPERS_LAUNCHER_PID`` (the notebook kernel, set by :func:`helpers.runner.launch.torchrun`) is
-  gone, and sends this process SIGTERM: the training loop then saves a checkpoint at the end of
-  the iteration and exits, as on any SIGTERM (Megatron-LM's ``--exit-signal-handler``). If it
-  has not exited ``grace_s`` seconds later (a rank stuck in a collective), it is ended with
-  ``os._exit(1)``.
-- :func:`run_folder_lock` holds an exclusive ``fcntl.flock`` on ``{run folder}/training.lock``
-  while a job trains. The lock file names the job (pid, host, start time, command); a second
-  job is refused with that name. The operating system releases the lock when the process
-  ends, however it ends, so a killed job never leaves a stale lock.
-- :func:`checkpoint_queue_in_process` (called by every process of the series that saves, notebook
-  kernels included) gives megatron-core's checkpoint writer a plain in-process result queue,
-  instead of the ``multiprocessing`` Manager it spawns at a process's first save, which
-  re-imports the program and outlives a killed one.
-- :func:`check_writable` refuses a run folder this process cannot write (a read-only file system,
-  no permission), and :func:`check_free_space` one whose disk has less free space than a step will
-  write; :func:`explain_disk_full` turns a disk that fills up anyway (``ENOSPC``) into
-  :class:`DiskFullError`, whose message names the folder, the space needed and free, and the fix.
+torch elastic starts every worker in a session of its own, so killing the launcher's process group
+does not reach the trainer. :func:`watch_launcher` sends the trainer SIGTERM when its launcher is
+gone (Megatron-LM's ``--exit-signal-handler`` then saves and exits); :func:`run_folder_lock` holds
+an ``fcntl.flock`` on ``{run folder}/training.lock``; :func:`checkpoint_queue_in_process` keeps
+megatron-core's checkpoint writer from spawning a ``multiprocessing`` Manager; :func:`check_writable`,
+:func:`check_free_space` and :func:`explain_disk_full` refuse or explain a folder that cannot hold
+the run.
 """
 
 from __future__ import annotations
@@ -92,7 +76,7 @@ def watch_launcher(interval_s: float = 1.0, grace_s: float = 120.0) -> threading
 
     The launcher is gone when, under torchrun (``TORCHELASTIC_RUN_ID`` set), the parent pid
     changes (the orphan was re-parented to init or a subreaper), or when the process named by
-    ``$HELPERS_LAUNCHER_PID`` no longer runs. A trainer started by hand (``nohup python -m
+    ``$HELPERS_LAUNCHER_PID`` has exited. A trainer started by hand (``nohup python -m
     helpers.learn.pretrain_gpt ...``) outlives its shell, as it should. Checked every ``interval_s``
     seconds by a daemon thread, which is returned. The job's output goes to a file
     (:func:`helpers.runner.launch.torchrun`), so its last prints and the save do not depend on the
@@ -203,14 +187,10 @@ def checkpoint_queue_in_process() -> bool:
     """Give megatron-core's checkpoint writer an in-process result queue; no helper process is started.
 
     megatron-core 0.19.2 ``dist_checkpointing/strategies/filesystem_async.py:53``
-    (``get_write_results_queue``) creates ``mp.get_context("spawn").Manager().Queue()`` at a
-    process's first ``dist_checkpointing.save``. The spawned server re-imports the program's
-    ``__main__`` (torch, megatron-core: 7.6 s measured per launch on 2 busy cores; a notebook kernel
-    too) and is not stopped when its parent is killed: it and its ``resource_tracker`` stay behind.
-    A synchronous save, the only kind the series and its Megatron-LM runs make (no
-    ``--async-save``), writes in threads of the saving process (``write_preloaded_data_multithread``)
-    and hands the results back through that queue in the same process, so a ``queue.Queue`` does
-    the job: this sets the module's cached queue (``filesystem_async._results_queue``) to one.
+    (``get_write_results_queue``) spawns a ``Manager().Queue()`` at a process's first save; the
+    server re-imports ``__main__`` (7.6 s per launch on 2 busy cores) and outlives a killed parent.
+    A synchronous save (no ``--async-save``) uses the queue within one process, so this sets
+    ``filesystem_async._results_queue`` to a ``queue.Queue``.
 
     Returns:
         True when the queue was set; False when megatron-core has no such cache (another

@@ -1,19 +1,10 @@
-"""Reading checkpoint files without running code from them: Megatron-LM's pickles and torch_dist metadata.
+"""Reading checkpoint files without running code from them: Megatron-LM's pickles and torch_dist metadata (06 §10).
 
-Unpickling: ``args`` is an ``argparse.Namespace``, which ``torch.load(weights_only=True)`` refuses
-unless allowed. :func:`load_pickle` allows :data:`HARMLESS_GLOBALS` and reads classes of
-Megatron-LM's own modules (enums such as the old ``megatron.model.enums.ModelType``, whose module
-no longer exists) as inert stand-ins; anything else is refused with its names. ``weights_only=False``
-unpickles everything, which runs whatever code the file names: only for files you trust. In a
-torch_dist folder, torch reads ``.metadata`` with plain ``pickle``
-(``torch/distributed/checkpoint/filesystem.py`` ``FileSystemReader.read_metadata``); here it is
-read with :class:`_RestrictedMetadataUnpickler` (only ``torch.distributed.checkpoint``'s own
-classes, ``torch.Size``, dtypes) unless ``weights_only=False``. This is what was checked with
-crafted files; it is a restriction of what unpickling may call, not a proof that a hostile file
-is harmless (a file that crashes the reader is still possible): prefer checkpoints you trust.
-
-Used by :mod:`helpers.learn.megatron_lm` (Megatron-LM's own checkpoints) and
-:mod:`helpers.learn.checkpointing` (every torch_dist folder the series reads).
+:func:`load_pickle` allows :data:`HARMLESS_GLOBALS` (``args`` is an ``argparse.Namespace``) and reads
+classes of Megatron-LM's own modules as inert stand-ins; anything else is refused with its names.
+A torch_dist ``.metadata`` file is read with :class:`_RestrictedMetadataUnpickler` instead of plain
+``pickle``. ``weights_only=False`` unpickles everything: only for files you trust. This restricts
+what unpickling may call; it does not prove a hostile file harmless.
 
 Sources: torch ``serialization.py`` (``weights_only``, ``safe_globals``,
 ``get_unsafe_globals_in_checkpoint``), ``distributed/checkpoint/filesystem.py``
