@@ -14,7 +14,8 @@ from functools import partial
 import pytest
 
 from helpers.support import results
-from helpers.demos import launch_plans, layout_runs, memory, pipeline_schedule, rank_groups, shards
+from helpers.demos import launch_plans, layout_runs, pipeline_schedule, rank_groups, shards
+from helpers.learn import memory
 from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters
 
 pytestmark = pytest.mark.trains
@@ -45,7 +46,7 @@ def test_check_layout_refuses_tp_not_dividing_the_mlp_width_or_world_size_mismat
         check_layout(HAND, Layout(2, 1, 1), world_size=3)
     with pytest.raises(ValueError, match=r"world size 8 != .* = 4.*= 4"):
         check_layout(HAND, Layout(2, 1, 2), world_size=8)
-    with pytest.raises(ValueError, match="global_batch_size=12 is not a multiple of micro_batch_size x DP = 4 x 2"):
+    with pytest.raises(ValueError, match="global_batch_size=12 is not divisible by micro_batch_size x data_parallel_size = 4 x 2 = 8: use a multiple of 8 \\(e.g. 8\\), or micro_batch_size=3"):
         check_layout(HAND, Layout(1, 1, 2), micro_batch_size=4, global_batch_size=12)
     with pytest.raises(ValueError, match="must be an integer >= 1"):
         Layout(0, 1, 1)

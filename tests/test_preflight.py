@@ -294,7 +294,10 @@ def test_a_checkpoint_at_iteration_0_is_resumed_from_and_a_failed_launch_puts_th
     with pytest.raises(ValueError, match=r"world_size=0: the number of processes \(nproc_per_node\), an integer >= 1"):
         preflight.check_run(cfg, nproc=0)
     (cfg.checkpoint_path / "latest_checkpointed_iteration.txt").write_text("-3")
-    with pytest.raises(ValueError, match="holds '-3', not an iteration number"):
+    with pytest.raises(ValueError, match="holds '-3', not an iteration number. Nothing was changed. Fix: write 0 into it"):
+        preflight.check_run(cfg, nproc=1)
+    (cfg.checkpoint_path / "latest_checkpointed_iteration.txt").write_text("7")  # a folder deleted by hand
+    with pytest.raises(ValueError, match="names iteration 7, but iter_0000007 is missing. Nothing was changed. Fix: write 0"):
         preflight.check_run(cfg, nproc=1)
 
 

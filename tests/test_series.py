@@ -337,6 +337,7 @@ def test_ctrl_c_during_a_notebook_ends_quietly_with_the_runners_message_and_noth
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and time.monotonic() - start < 15
     assert "Traceback" not in err and "interrupted: the notebook that was running is kept" in err, err
+    assert f"kept as far as it got in {run / 'executed' / 'last-attempt'}/" in err, err  # the folder itself, named
     time.sleep(1)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # no kernel or child of the runner is left in its process group

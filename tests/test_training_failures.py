@@ -88,6 +88,10 @@ def test_a_damaged_shard_names_rank_exception_and_folder(data, tmp_path):
     with pytest.raises(checkpointing.CheckpointReadError, match=f"{shard.name} is missing"):
         checkpointing.check_readable(folder)
     checkpointing.check_readable(checkpointing.iteration_dir(first.checkpoint_path, 4))  # the whole one passes
+    copy = shutil.copytree(checkpointing.iteration_dir(first.checkpoint_path, 4), tmp_path / "copy" / folder.name)
+    (copy / "metadata.json").unlink()  # Megatron-LM would fail after start-up: "Missing key in checkpoint state_dict: args"
+    with pytest.raises(checkpointing.CheckpointReadError, match="metadata.json is missing. Fix: delete iter_0000004"):
+        checkpointing.check_readable(copy)
 
 
 def test_a_trainer_whose_kernel_dies_saves_its_checkpoint(data, tmp_path):

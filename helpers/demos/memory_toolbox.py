@@ -1,12 +1,9 @@
 """The memory savers of notebook 05b, trained for real, measured per rank and set beside the predictions.
 
-Notebook 05b ("The memory toolbox"): :data:`TECHNIQUES` (each saver as a change of the training
-config and a layout), :func:`run_techniques` (each trained by Megatron-LM's loop under torchrun,
-recorded by :mod:`helpers.learn.rank_record`), :func:`memory_rows` (measured beside the series'
-calculator, :func:`helpers.learn.memory.memory_per_gpu`, and the estimate Megatron-LM printed,
-``megatron/training/theoretical_memory_usage.py``), :func:`plot_memory` (section 3),
-:func:`timeline` / :func:`measured_bubble` / :func:`plot_timelines` (section 4: the pipeline
-schedules as they ran, against Narayanan et al.'s (p - 1)/(v m)).
+:data:`TECHNIQUES` holds each saver as a change of the training config and a layout; each is trained by
+Megatron-LM's loop under torchrun and measured beside :func:`helpers.learn.memory.memory_per_gpu` and
+Megatron-LM's own estimate (``megatron/training/theoretical_memory_usage.py``), drawn in section 3.
+Section 4 sets the pipeline schedules as they ran against Narayanan et al.'s (p - 1)/(v m).
 
 Sources: Korthikanti et al. 2022 (arXiv:2205.05198); Narayanan et al. 2021 (arXiv:2104.04473)
 section 2.2; Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054); megatron-core 0.19.2
@@ -148,13 +145,11 @@ def memory_rows(base: Any, runs: dict[str, LayoutRun], techniques: Sequence[Tech
                 ) -> list[dict[str, Any]]:
     """Per technique and rank: what the rank held (measured) beside the two predictions, in bytes.
 
-    Measured (:mod:`helpers.learn.rank_record`): ``weights``, ``gradients`` (the gradient
-    buffers), ``optimizer_state``; ``activations``: the peak of the tensors saved for backward
-    over the micro-batches in flight (last iteration). Predicted by the series
-    (:func:`helpers.learn.memory.memory_per_gpu` of this rank's pipeline stage, in the run's
-    precision, for its layers: ``fused=False`` for megatron-core's local ones): ``predicted_*``. Megatron-LM's printed estimate (rank 0 only; it describes the
-    first pipeline stage and assumes bf16 mixed precision: 18 bytes per parameter, 16-bit
-    activations): ``megatron_lm_states``, ``megatron_lm_activations``.
+    Measured (:mod:`helpers.learn.rank_record`): ``weights``, ``gradients``, ``optimizer_state`` and
+    ``activations`` (peak saved for backward over the micro-batches in flight). ``predicted_*``:
+    :func:`helpers.learn.memory.memory_per_gpu` of this rank's stage (``fused=False`` for local layers).
+    ``megatron_lm_states``, ``megatron_lm_activations``: Megatron-LM's printed estimate (rank 0 only;
+    first stage, bf16 mixed precision: 18 bytes per parameter, 16-bit activations).
 
     Returns:
         Rows ``{"technique", "rank", "tp", "pp", "dp", "parameters", "weights", ..., "in_flight",
@@ -198,8 +193,8 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The most loaded rank of each technique, in MiB, with each predictor's relative error.
 
     Returns:
-        Rows ``{"technique", "rank", "states MiB", "series error", "Megatron-LM error (rank 0)", "activations MiB",
-        "series error ", "Megatron-LM error (rank 0) ", "in flight"}``; the error columns hold ``predicted/measured - 1``
+        Rows ``{"technique", "rank", "states MiB", "states: series error", "states: Megatron-LM error (rank 0)",
+        "activations MiB", "activations: series error", "activations: Megatron-LM error (rank 0)", "in flight"}``; the error columns hold ``predicted/measured - 1``
         (a fraction). Megatron-LM's estimate describes the first pipeline stage, so it is set against rank 0,
         whichever rank the row's MiB describe.
     """
@@ -211,11 +206,11 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         first = next(r for r in ranks if r["rank"] == 0)
         out.append({"technique": name, "rank": top["rank"],
                     "states MiB": round(states(top) / mib, 2),
-                    "series error": states(top, "predicted_") / states(top) - 1,
-                    "Megatron-LM error (rank 0)": first.get("megatron_lm_states", float("nan")) / states(first) - 1,
+                    "states: series error": states(top, "predicted_") / states(top) - 1,
+                    "states: Megatron-LM error (rank 0)": first.get("megatron_lm_states", float("nan")) / states(first) - 1,
                     "activations MiB": round(top["activations"] / mib, 2),
-                    "series error ": top["predicted_activations"] / top["activations"] - 1,
-                    "Megatron-LM error (rank 0) ": first.get("megatron_lm_activations", float("nan")) / first["activations"] - 1,
+                    "activations: series error": top["predicted_activations"] / top["activations"] - 1,
+                    "activations: Megatron-LM error (rank 0)": first.get("megatron_lm_activations", float("nan")) / first["activations"] - 1,
                     "in flight": f"{top['in_flight']} (predicted {top['predicted_in_flight']:g})"})
     return out
 

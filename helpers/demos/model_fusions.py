@@ -1,14 +1,9 @@
 """Notebook 04, sections 8-10: fusion inside notebook 03's whole model, and what its training uses.
 
-* section 8: a forward + backward step of notebook 03's ``GPTModel`` with megatron-core's
-  fusion flags (:data:`FUSION_FLAGS`) off and on, timed in paired rounds
-  (:func:`benchmark_fusion_flags`);
-* section 9: megatron-core's op-by-op ``DotProductAttention`` against the fused SDPA one of
-  :mod:`helpers.learn.attention` (:func:`benchmark_core_attention`); both measurements drawn as
-  bars (:func:`step_time_bars`, :func:`plot_step_times`);
-* section 10: what training should use on this device, following this notebook's recorded
-  measurement when a run folder has one (:func:`adamw_implementation`,
-  :func:`recommended_fusion_flags`).
+Section 8 times a forward + backward step of notebook 03's ``GPTModel`` with megatron-core's fusion flags
+(:data:`FUSION_FLAGS`) off and on, in paired rounds. Section 9 times megatron-core's op-by-op
+``DotProductAttention`` against the fused SDPA one of :mod:`helpers.learn.attention`. Section 10 says
+what training should use on this device, following the run folder's recorded measurement when there is one.
 
 Sources: megatron-core 0.19.2 ``megatron/core/transformer/transformer_config.py`` (the fusion
 flags), ``megatron/core/transformer/dot_product_attention.py``; Megatron-LM
@@ -53,7 +48,7 @@ class FlagsBenchmark:
         first_step_s: the first step of each setting alone (includes torch.compile's
             compilation of megatron's fused functions, paid once per process).
         speedup: flags-off median / flags-on median.
-        micro_batch_size, seq_length: the batch timed.
+        micro_batch_size, seq_length: the batch timed; architecture: the model's (``gpt2`` or ``llama``).
     """
 
     timings: dict[str, Timing]
@@ -62,6 +57,7 @@ class FlagsBenchmark:
     speedup: float
     micro_batch_size: int
     seq_length: int
+    architecture: str = "gpt2"
 
     @property
     def paired_speedups(self) -> list[float]:
@@ -84,16 +80,13 @@ def benchmark_fusion_flags(cfg: Any, *, micro_batch_size: int = 2, warmup: int =
                            device: str | None = None, seed: int = 1234) -> FlagsBenchmark:
     """Time a forward+backward step of notebook 03's GPTModel with the fusion flags off and on.
 
-    Two models are built from the same seed (same weights), one with every flag of
-    :data:`FUSION_FLAGS` False and one with all True, and stepped interleaved on the same
-    random batch. The losses differ only by the GELU form (erf vs tanh).
+    Two models from the same seed (same weights), every flag of :data:`FUSION_FLAGS` False in one and True
+    in the other, stepped interleaved on the same random batch. The losses differ only by the GELU form.
 
     Args:
         cfg: a :class:`helpers.learn.model.ModelConfig`; its fusion flags are overridden.
         micro_batch_size: sequences per step.
         warmup, repeats: see :func:`time_calls` (the first flags-on step compiles).
-        device: default CUDA when available.
-        seed: model-parallel seed.
 
     Returns:
         :class:`FlagsBenchmark`.
@@ -131,7 +124,7 @@ def benchmark_fusion_flags(cfg: Any, *, micro_batch_size: int = 2, warmup: int =
             first[name] = time.perf_counter() - t0
         timings = time_calls(fns, device=device, warmup=warmup, repeats=repeats, min_repeat_s=0.0)
     speedup = timings["flags off"].median_s / timings["flags on"].median_s
-    return FlagsBenchmark(timings, losses, first, speedup, micro_batch_size, cfg.seq_length)
+    return FlagsBenchmark(timings, losses, first, speedup, micro_batch_size, cfg.seq_length, cfg.architecture)
 
 
 # ------------------------------------------------------------------ core attention (section 9)
@@ -166,10 +159,8 @@ def benchmark_core_attention(cfg: Any, micro_batch_size: int, *, device: str = "
     Args:
         cfg: a :class:`helpers.learn.model.ModelConfig` (heads, width, sequence length).
         micro_batch_size: sequences per call.
-        device, dtype: where and in what precision (notebook 04 uses bf16 on CUDA, fp32 on a
-            CPU, where bf16 runs but is slow).
+        device, dtype: notebook 04 uses bf16 on CUDA, fp32 on a CPU (where bf16 is slow).
         warmup, repeats: see :func:`time_calls` (interleaved repeats).
-        seed: of the random query, key, value and output gradient.
 
     Returns:
         :class:`AttentionBenchmark`.
@@ -243,7 +234,7 @@ def plot_step_times(flags: FlagsBenchmark, attn: AttentionBenchmark, *, device: 
                     title: str = "Fusion in a training step and in attention, measured"):
     """Horizontal bars of milliseconds per forward + backward (median, IQR whiskers), one per configuration.
 
-    Top panel: a whole training step of notebook 03's model with the fusion flags off and on
+    Top panel: a whole training step of the model at notebook 03's size with the fusion flags off and on
     (section 8); bottom panel: core attention alone, megatron-core's op-by-op module and SDPA
     (section 9). Each bar carries its time and its speedup over its panel's first bar.
 
@@ -254,7 +245,8 @@ def plot_step_times(flags: FlagsBenchmark, attn: AttentionBenchmark, *, device: 
 
     bars = step_time_bars(flags, attn)
     s, b, heads, head_dim = attn.shape
-    titles = {"flags": f"One training step of notebook 03's model (forward + backward, micro-batch "
+    stepped = "the guide's GPT-2" if flags.architecture == "gpt2" else "the Llama"
+    titles = {"flags": f"One training step of {stepped} at notebook 03's size (forward + backward, micro-batch "
                        f"{flags.micro_batch_size} x {flags.seq_length} tokens)",
               "attention": f"Core attention alone (forward + backward, {b} x {heads} heads x {s} tokens, "
                            f"head dim {head_dim}, causal)"}
@@ -310,13 +302,10 @@ def recommended_fusion_flags(device: str | None = None,
                              run_dir: str | os.PathLike | None = None) -> dict[str, bool]:
     """megatron-core fusion flags training should set on ``device``.
 
-    CUDA: all of :data:`FUSION_FLAGS` True (Megatron-LM's defaults in ``pretrain_gpt.py``; on
-    a GPU each fused kernel saves memory passes). CPU: from notebook 04's measured training
-    step (``fusion_flags_clearly_faster`` in ``summary.json``, see
-    :attr:`FlagsBenchmark.flags_clearly_faster`) when ``run_dir`` has one for a CPU; otherwise
-    False, because on CPU the softmax kernel does not exist, the step time measured the same
-    within noise, every new process pays the compilation, and ``bias_activation_fusion``
-    switches GELU from erf to tanh.
+    CUDA: all of :data:`FUSION_FLAGS` True (Megatron-LM's ``pretrain_gpt.py`` defaults). CPU: notebook 04's
+    measurement (``fusion_flags_clearly_faster`` in ``run_dir``'s ``summary.json``) when there is one, else
+    False: on a CPU the softmax kernel does not exist, the step time is the same within noise, every
+    process pays the compilation, and ``bias_activation_fusion`` switches GELU from erf to tanh.
 
     Returns:
         ``{flag: bool}`` for each of :data:`FUSION_FLAGS`, to pass to ``ModelConfig``.

@@ -5,17 +5,10 @@ Layout, as Megatron-LM writes it (``megatron/training/checkpointing.py``)::
     checkpoints/latest_checkpointed_iteration.txt   # "300", written atomically after a save
     checkpoints/iter_0000300/                        # torch_dist: *.distcp shards, .metadata, metadata.json
 
-A checkpoint of Megatron-LM's loop holds the model, the optimizer (sharded like the
-parameters it belongs to), the learning-rate scheduler, every rank's RNG states, the
-iteration, the consumed samples and the command line (``args``), from which
-:func:`read_model_config` reads the model. Because each tensor is stored with its global shape
-and offset, a checkpoint saved with TP=2 loads with TP=1 (resharding). The series writes
-model-only checkpoints itself (:func:`save_model`: initial weights, a TP=2 demonstration, the
-way back from transformers), with a ``model_config.json`` beside the shards.
-
-Sources: Megatron-LM ``megatron/training/checkpointing.py`` (tracker file, ``iter_%07d``,
-``generate_state_dict``), megatron-core ``dist_checkpointing/serialization.py``
-(``save``/``load``).
+Each tensor is stored with its global shape and offset, so a TP=2 checkpoint loads with TP=1.
+:func:`save_model` writes the series' model-only checkpoints, with a ``model_config.json`` beside
+the shards (notebooks 03 §8, 05 §8, 06, 07). Sources: Megatron-LM ``megatron/training/checkpointing.py``
+(tracker file, ``iter_%07d``), megatron-core ``dist_checkpointing/serialization.py`` (``save``/``load``).
 """
 
 from __future__ import annotations
@@ -49,11 +42,9 @@ class CheckpointReadError(RuntimeError):
 def read_model_config(checkpoint_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
     """The model a checkpoint holds, as ``ModelConfig.to_metadata()`` (latest iteration by default).
 
-    Megatron-LM's loop stores its command-line ``args`` in the checkpoint (the ``common_state``
-    of a torch_dist folder); ``helpers.learn.megatron_lm.metadata_from_args`` reads the model from them,
-    and the tokenizer named by ``--tokenizer-model`` gives the exact vocabulary size. A
-    ``model_config.json`` beside the shards (written by the series' own saves, such as the way
-    back from transformers in notebook 06) is read instead when present.
+    A ``model_config.json`` beside the shards (the series' own saves) is read when present; else the
+    ``args`` of Megatron-LM's loop (``helpers.learn.megatron_lm.metadata_from_args``), with the
+    vocabulary size from the ``--tokenizer-model`` tokenizer.
 
     Returns:
         ``ModelConfig.to_metadata()`` of the model that was trained, plus ``iteration``,
@@ -96,7 +87,7 @@ def check_readable(folder: str | os.PathLike) -> None:
     Megatron-LM's loop would only report as a bare ``EOFError`` deep in its load.
 
     Raises:
-        CheckpointReadError: a missing or short shard, or an unreadable ``.metadata`` (named, with the fix).
+        CheckpointReadError: a missing or short shard, no ``metadata.json``, or an unreadable ``.metadata`` (named, with the fix).
     """
     folder = Path(folder)
     fix = (f"delete {folder.name} and its line in {TRACKER_FILE} (training resumes from the checkpoint before it, "
@@ -105,6 +96,9 @@ def check_readable(folder: str | os.PathLike) -> None:
         storage = safe_load.dcp_reader(folder, True).read_metadata().storage_data
     except (OSError, safe_load.ConversionError) as err:
         raise CheckpointReadError(f"could not read the checkpoint {folder}: {err}. Fix: {fix}") from None
+    if not (folder / "metadata.json").is_file():  # dist_checkpointing's description of the format: without it
+        # Megatron-LM's load fails after start-up with "Missing key in checkpoint state_dict: args"
+        raise CheckpointReadError(f"could not read the checkpoint {folder}: metadata.json is missing. Fix: {fix}")
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -136,12 +130,10 @@ def check_layout(saved: dict[str, Any], tensor_model_parallel_size: int, pipelin
                  use_distributed_optimizer: bool, checkpoint_dir: str | os.PathLike) -> None:
     """Refuse, before any process starts, a resume that Megatron-LM's load would refuse after start-up.
 
-    A ``--use-distributed-optimizer`` checkpoint in Megatron-LM's default optimizer format (``dp_reshardable``,
-    megatron/core/optimizer/distrib_optimizer.py) reshards over data-parallel ranks only: resuming it at another
-    TP or PP size stops in ``load_checkpoint`` with "(TP, PP) mismatch after resume"; and a run that switches the
-    distributed optimizer on or off fails to read the other's optimizer state (a KeyError, or "flattened_range is
-    not supported"). Any DP size resumes, and a checkpoint without the distributed optimizer resumes at any TP, PP
-    and DP (tests/test_training.py).
+    A ``--use-distributed-optimizer`` checkpoint (format ``dp_reshardable``,
+    megatron/core/optimizer/distrib_optimizer.py) reshards over data-parallel ranks only: another TP or
+    PP size stops with "(TP, PP) mismatch after resume", and switching the distributed optimizer on or
+    off cannot read the other's optimizer state.
 
     Args:
         saved: :func:`read_model_config` of the checkpoint to resume.
@@ -177,14 +169,10 @@ def check_layout(saved: dict[str, Any], tensor_model_parallel_size: int, pipelin
 def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_config: dict[str, Any]) -> Path:
     """Save a ``GPTModel``'s weights (no optimizer) as ``iter_NNNNNNN`` with torch_dist, in Megatron's layout.
 
-    ``model.sharded_state_dict()`` under ``"model"``, as Megatron-LM's ``save_checkpoint`` stores
-    it, so its loop can start from the folder (``--pretrained-checkpoint``: the weights, a fresh
-    optimizer, iteration 0) and any TP/PP layout reads it (each tensor is stored whole, with its
-    global shape). Every rank calls this. A half-written folder of the same iteration (from a
-    killed run) is removed first; ``model_config.json`` (what the folder holds, since it has no
-    Megatron-LM ``args``) is written next to the shards, then rank 0 updates
-    ``latest_checkpointed_iteration.txt`` atomically, only after all ranks finished. A save that
-    fails (a full disk) removes its folder before the error goes on, so no shard cut short is left.
+    ``model.sharded_state_dict()`` under ``"model"``, as Megatron-LM's ``save_checkpoint`` stores it
+    (``--pretrained-checkpoint`` starts from it; any TP/PP layout reads it). Every rank calls this.
+    ``model_config.json`` goes next to the shards; rank 0 then updates ``latest_checkpointed_iteration.txt``
+    atomically. A half-written folder of the same iteration is removed first, a failed save's after.
 
     Must run in a process whose main module is import-guarded (a notebook, pytest, ``python -m``):
     megatron-core's torch_dist writer starts a helper process.
@@ -221,14 +209,10 @@ def save_model(model, checkpoint_dir: str | os.PathLike, iteration: int, model_c
 def read_model_tensors(folder: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
     """Every model tensor of a torch_dist ``iter_NNNNNNN`` folder at its global (merged) shape, in this process.
 
-    ``dist_checkpointing.load_tensors_metadata`` lists each sharded tensor with its global shape
-    (a TP=2 checkpoint stores each rank's slice with its offset) and ``dist_checkpointing.load``
-    reads whole tensors, whatever TP size saved them. The per-layer stacked keys
-    (``decoder.layers.self_attention.linear_qkv.weight`` ``[layers, 3h, h]``) are split into
-    ``decoder.layers.{i}.self_attention.linear_qkv.weight``; names stay the checkpoint's (layer
-    norms under Transformer Engine names, ``linear_qkv.layer_norm_weight``: the local spec's
-    ``sharded_state_dict_keys_map``). Optimizer moments and RNG states are not read. The loader
-    needs a process group: ``helpers.learn.distributed.single_process`` provides one if none exists.
+    ``dist_checkpointing.load_tensors_metadata`` / ``load`` read whole tensors, whatever TP size saved
+    them. Stacked keys (``decoder.layers.self_attention.linear_qkv.weight`` ``[layers, 3h, h]``) are
+    split into ``decoder.layers.{i}....``; other names stay the checkpoint's. Optimizer and RNG states
+    are not read. ``helpers.learn.distributed.single_process`` provides a process group if none exists.
 
     Returns:
         ``(tensors, non_model_keys)``: ``{name: tensor}`` (``_extra_state`` entries included as
@@ -279,13 +263,9 @@ def model_from_checkpoint(meta: dict[str, Any], weights: str | os.PathLike | dic
     Builds this process's part of the model (its TP/PP layout; a one-process group, TP=PP=1,
     is initialised when none exists, ``helpers.learn.distributed.initialize_distributed``), then:
 
-    * ``weights`` a torch_dist ``iter_NNNNNNN`` folder: ``dist_checkpointing.load`` reads each
-      of this rank's ``ShardedTensor`` s at its global offset, whatever TP size saved it
-      (vocabulary rows past this layout's padded size are dropped: ``allow_shape_mismatch``);
-    * ``weights`` a state dict of full tensors (TP=1 layout, local-spec names): ``load_state_dict``;
-    * ``weights`` None: the seeded random initialisation.
-
-    ``_extra_state`` entries carry no weights and are not requested.
+    ``weights`` is a torch_dist ``iter_NNNNNNN`` folder (``dist_checkpointing.load``, any saved TP size;
+    surplus vocabulary rows dropped), a state dict of full TP=1 tensors (``load_state_dict``), or None
+    (the seeded random initialisation).
 
     Args:
         meta: ``model_config.json`` (``ModelConfig.to_metadata()`` and more).

@@ -1,59 +1,15 @@
 """Reading Megatron-LM's own checkpoints: the architecture from their ``args``, the weights in megatron-core names.
 
-The series' checkpoints carry a ``model_config.json``; a checkpoint written by Megatron-LM's
-``pretrain_gpt.py`` carries the training arguments instead. :func:`read_checkpoint` reads both
-formats Megatron-LM writes (``megatron/training/checkpointing.py``) and hands
-``helpers.learn.conversion`` the same thing it reads from the series' own checkpoints: megatron-core
-weight names at TP=1 and a ``ModelConfig.to_metadata()`` dict.
+Notebooks 03 §8 and 06 §10. :func:`read_checkpoint` reads both formats Megatron-LM's
+``megatron/training/checkpointing.py`` writes and returns megatron-core weight names at TP=1 and a
+``ModelConfig.to_metadata()`` dict, as the series' own checkpoints give:
 
-* ``--ckpt-format torch`` (the legacy format the CodeParrot guide converted)::
+* ``--ckpt-format torch``: ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt``; old model names are
+  renamed by :data:`LEGACY_NAMES`;
+* ``--ckpt-format torch_dist``: ``.distcp`` shards with the series' own keys, ``args`` in the common state.
 
-      <save>/latest_checkpointed_iteration.txt        # "150000", or "release"
-      <save>/iter_0150000/mp_rank_00/model_optim_rng.pt   # one per tensor-parallel rank (mp_rank_01...)
-
-  ``get_checkpoint_name`` names the files (``mp_rank_{tp:02d}``, ``mp_rank_{tp:02d}_{pp:03d}``
-  with pipeline parallelism); ``save_checkpoint`` writes ``torch.save(generate_state_dict(...))``:
-  ``{"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration", "model", "optimizer",
-  "opt_param_scheduler", "rng_state", ...}``. ``model`` is ``state_dict_for_save_checkpoint()``:
-  megatron-core names (``decoder.layers.0.self_attention.linear_qkv.weight``) since the legacy
-  model was removed, nested dicts of the old model before (``{"language_model": {"embedding":
-  {"word_embeddings": {"weight"}}, "encoder": {"layers.0.self_attention.query_key_value.weight"}}}``;
-  older still ``transformer`` for ``encoder`` and ``attention`` for ``self_attention``):
-  :data:`LEGACY_NAMES` renames them.
-* ``--ckpt-format torch_dist`` (the default now): ``iter_NNNNNNN/`` with ``.metadata``,
-  ``metadata.json`` and ``__0_0.distcp``, written by megatron-core's ``dist_checkpointing.save``
-  with the same ``generate_state_dict`` (the model under ``"model"``, from
-  ``GPTModel.sharded_state_dict()``). The stored keys are the ``ShardedTensor`` keys, which carry
-  no ``model.`` prefix (the dict nesting is not part of them): ``embedding.word_embeddings.weight``,
-  ``decoder.layers.self_attention.linear_qkv.weight`` ``[layers, 3h, h]`` (``TransformerBlock``
-  stacks the layers along a prepended axis), layer norms under Transformer Engine names
-  (``linear_qkv.layer_norm_weight``) -- exactly the series' own keys. What differs: no
-  ``model_config.json``; the non-tensor entries (``args``, ``checkpoint_version``, ``iteration``...)
-  are the common state: a ``common.pt`` file up to megatron-core 0.18 (``strategies/common.py``
-  ``save_common``), a ``common_state`` object inside the ``.distcp`` files from 0.19
-  (``serialization.py`` ``save`` / ``load_common_state_dict``).
-
-The arguments read (Megatron-LM ``megatron/training/arguments.py``; the ``TransformerConfig``
-fields become arguments of the same name, ``argument_utils.py`` ``core_transformer_config_from_args``):
-``num_layers``, ``hidden_size``, ``num_attention_heads``, ``ffn_hidden_size``, ``kv_channels``,
-``seq_length``, ``max_position_embeddings``, ``padded_vocab_size``, ``make_vocab_size_divisible_by``,
-``tensor_model_parallel_size``, ``untie_embeddings_and_output_weights``, ``layernorm_epsilon``,
-``hidden_dropout``, ``attention_dropout``, ``init_method_std``, the GELU (``bias_gelu_fusion``:
-megatron-core's fused bias-GELU is the tanh approximation; ``openai_gelu``: tanh in the old model,
-``megatron/legacy/model/transformer.py`` ``ParallelMLP``, ignored by megatron-core), and the
-features GPT-2 lacks, which :func:`metadata_from_args` refuses by name.
-
-The files are read without running code from them (Megatron-LM pickles an ``argparse.Namespace``):
-:mod:`helpers.support.safe_load` says how.
-
-Sources: Megatron-LM ``megatron/training/checkpointing.py`` (``get_checkpoint_name``,
-``find_checkpoint_rank_0``, ``read_metadata``, ``save_checkpoint``, ``generate_state_dict``,
-``_load_base_checkpoint``, ``_get_checkpoint_format``, ``fix_query_key_value_ordering``),
-``megatron/training/arguments.py``, ``megatron/training/argument_utils.py``, the removed
-``megatron/legacy/model/{gpt_model,language_model,transformer}.py``; megatron-core 0.19.2
-``dist_checkpointing/serialization.py``, ``strategies/common.py``, ``safe_globals.py``,
-``transformer/transformer_block.py`` (``sharded_state_dict``); transformers 4.x
-``models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py`` (the old names, the QKV versions).
+:func:`metadata_from_args` reads the architecture from ``args`` (``megatron/training/arguments.py``).
+The files are unpickled without running code (:mod:`helpers.support.safe_load`).
 """
 
 from __future__ import annotations
@@ -100,10 +56,13 @@ def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
         iteration = int(text)
     except ValueError:
         iteration = -1
-    if iteration < 0:
-        raise ValueError(f"{tracker} holds {text!r}, not an iteration number: delete it to start over")
-    if not iteration_dir(checkpoint_dir, iteration).is_dir():
-        raise ValueError(f"{tracker} names iteration {iteration} but {iteration_dir(checkpoint_dir, iteration)} is missing")
+    if iteration < 0 or not iteration_dir(checkpoint_dir, iteration).is_dir():
+        saved = sorted(int(p.name[5:]) for p in Path(checkpoint_dir).glob("iter_*") if p.name[5:].isdigit() and p.is_dir())
+        fix = (f"write {saved[-1]} into it to resume from {iteration_dir(checkpoint_dir, saved[-1]).name}, the latest folder "
+               "there (check it is whole), or delete it to start over" if saved else "delete it to start over")
+        what = f"names iteration {iteration}, but {iteration_dir(checkpoint_dir, iteration).name} is missing" if iteration >= 0 \
+            else f"holds {text!r}, not an iteration number"
+        raise ValueError(f"{tracker} {what}. Nothing was changed. Fix: {fix}.")
     return iteration
 
 
@@ -195,9 +154,8 @@ def metadata_from_args(args: argparse.Namespace | Mapping[str, Any], *, old_mode
     """``ModelConfig.to_metadata()`` of the GPT that Megatron-LM's ``args`` describe, refusing what neither GPT-2
     nor a Llama (:data:`helpers.learn.model.ARCHITECTURES`) can hold.
 
-    A Llama's arguments are all of ``--position-embedding-type rope``, ``--normalization RMSNorm``,
-    ``--swiglu`` and ``--disable-bias-linear`` (with or without ``--group-query-attention`` and
-    ``--untie-embeddings-and-output-weights``); one of them without the others is neither model.
+    A Llama has all of ``--position-embedding-type rope``, ``--normalization RMSNorm``, ``--swiglu``
+    and ``--disable-bias-linear``; one of them without the others is neither model.
 
     Args:
         args: the checkpoint's ``args`` (``argparse.Namespace`` or a dict of its attributes).

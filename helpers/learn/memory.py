@@ -1,8 +1,8 @@
 """The memory calculator: bytes per GPU of weights, gradients, optimizer state and activations.
 
-What one GPU holds for a model, a parallel layout, a micro-batch and a precision; notebook 05
-section 5 draws it for layouts and model sizes (:mod:`helpers.demos.memory`), notebook 03's
-preflight (:mod:`helpers.runner.preflight`) prints it before a run starts.
+What one GPU holds for a model, a parallel layout, a micro-batch and a precision, for the GPT
+shapes of :data:`MODEL_SHAPES`; notebook 05 section 5 tabulates it (:func:`memory_table`) and draws it
+(:mod:`helpers.demos.memory_plot`), notebook 03's preflight (:mod:`helpers.runner.preflight`) prints it.
 
 Sources: Megatron-LM ``docs/source/api-guide/distrib_optimizer.md`` (bytes per parameter);
 Rajbhandari et al. 2020, "ZeRO" (arXiv:1910.02054) section 5 (optimizer-state sharding);
@@ -14,7 +14,9 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
+from helpers.learn.model import PROFILES as MODEL_PROFILES
 from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters, layer_parameters, norm_parameters
 
 #: Bytes of one parameter, its gradient and its optimizer state (Adam) by training precision,
@@ -369,3 +371,35 @@ def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size
     else:
         acts = tmu.compute_activation_memory_without_sp(args, num_microbatches=num_microbatches)
     return {"weights_and_optimizer": float(weights), "activations": float(acts), "total": float(weights + acts)}
+
+
+#: GPT shapes for the memory calculator. ``codeparrot-small`` is the guide's 110M model;
+#: ``gpt-1.3b`` and ``gpt-7b`` are GPT-3 XL and GPT-3 6.7B (Brown et al. 2020, table 2.1);
+#: ``gpt-70b`` is a 70B-class shape: Llama-2-70B's depth and width (80 layers, hidden 8192,
+#: 64 heads, sequence 4096) with GPT-2's 4h MLP, which makes 64.9B parameters. All with
+#: Megatron-LM's default dropout, 0.1 (the masks Korthikanti et al. count).
+_DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "codeparrot-small": MODEL_PROFILES["codeparrot-small"],
+    "gpt-1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048,
+                            max_position_embeddings=2048, vocab_size=50257, **_DROPOUT),
+    "gpt-7b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=2048,
+                          max_position_embeddings=2048, vocab_size=50257, **_DROPOUT),
+    "gpt-70b": ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64, seq_length=4096,
+                           max_position_embeddings=4096, vocab_size=50257, **_DROPOUT),
+}
+
+
+
+def memory_table(model: ModelConfig, layouts: Sequence[Layout], **kwargs: Any) -> list[dict[str, Any]]:
+    """One row per layout: the layout and :meth:`MemoryEstimate.gib` of :func:`memory_per_gpu`
+    (``kwargs`` are passed on). Layouts :func:`check_layout` refuses are left out."""
+    rows = []
+    for layout in layouts:
+        try:
+            est = memory_per_gpu(model, layout, **kwargs)
+        except ValueError:
+            continue
+        rows.append({"layout": layout.label, "stage": est.stage, "parameters": est.parameters, **est.gib()})
+    return rows
+

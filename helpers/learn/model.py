@@ -1,19 +1,9 @@
-"""The GPT model of the series: profiles, megatron-core ``TransformerConfig`` and ``GPTModel``.
+"""The GPT model of the series: profiles, megatron-core ``TransformerConfig`` and ``GPTModel`` (03 §3, 05).
 
-Two architectures, each a set of Megatron-LM's own arguments (:data:`ARCHITECTURES`):
-
-* ``gpt2``, the guide's (Hugging Face's CodeParrot): learned absolute position embeddings,
-  pre-LayerNorm blocks, a GELU MLP with 4x expansion, biases everywhere, input and output
-  embeddings tied. Notebook 06 converts it to ``transformers``' ``GPT2LMHeadModel``.
-* ``llama``, what is pre-trained today (Touvron et al. 2023, "LLaMA", arXiv:2302.13971, section
-  2.2): rotary position embeddings (Su et al. 2021, arXiv:2104.09864), RMSNorm (Zhang and
-  Sennrich 2019), a SwiGLU MLP (Shazeer 2020, arXiv:2002.05202) of about 8h/3 so that it keeps
-  the 8h^2 parameters of a 4h GELU MLP, grouped-query attention (Ainslie et al. 2023,
-  arXiv:2305.13245), no linear biases; input and output embeddings untied (Llama 2 and 3) or tied
-  (Llama 3.2's small models, and the ``cpu-llama`` profile). It converts to ``LlamaForCausalLM``.
-
-Everything a converter needs (shape, padded vocab size, *which* activation, the position
-embedding, the normalisation, query groups, tied-ness) is in :meth:`ModelConfig.to_metadata`.
+Two architectures, each a set of Megatron-LM's own arguments (:data:`ARCHITECTURES`): ``gpt2``,
+the guide's CodeParrot (converts to ``GPT2LMHeadModel``), and ``llama`` (Touvron et al. 2023,
+arXiv:2302.13971, section 2.2: RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases; converts
+to ``LlamaForCausalLM``). :meth:`ModelConfig.to_metadata` holds everything a converter needs.
 
 Sources: Megatron-LM ``pretrain_gpt.py`` / ``gpt_builders.py`` (how GPTModel is built),
 ``megatron/training/tokenizer`` ``_vocab_size_with_padding`` (vocab padding),
@@ -67,31 +57,21 @@ class ModelConfig:
             ``F.gelu``, the exact **erf** GELU.
         masked_softmax_fusion, bias_dropout_fusion: megatron-core fusion flags (work on CPU).
         share_embeddings_and_output_weights: tie the output layer to the word embeddings.
-        position_embedding_type: ``"learned_absolute"`` (a table of ``max_position_embeddings``
-            rows, GPT-2) or ``"rope"`` (rotary embeddings applied to queries and keys, base
-            ``rotary_base``; megatron-core's default half-split layout, which is also
-            ``LlamaForCausalLM``'s ``rotate_half``).
+        position_embedding_type: ``"learned_absolute"`` (GPT-2) or ``"rope"`` (rotary, base
+            ``rotary_base``, megatron-core's half-split layout).
         normalization: ``"LayerNorm"`` (weight and bias) or ``"RMSNorm"`` (weight only).
         swiglu: a gated MLP ``fc2(silu(x W_gate) * (x W_up))`` (megatron-core ``gated_linear_unit``
             with SiLU; ``linear_fc1`` holds ``[W_gate; W_up]``) instead of GELU.
         num_query_groups: key/value heads (grouped-query attention); ``None``: one per query head.
         add_bias_linear: biases in every linear layer (GPT-2) or none (Llama).
-        core_attention: the attention kernel of the local layer spec: ``"unfused"``
-            (megatron-core's ``DotProductAttention``: scores, mask, softmax, dropout and the
-            value product as separate ops; what Megatron-LM's ``--transformer-impl local`` trains
-            with) or ``"sdpa"`` (torch's fused ``scaled_dot_product_attention``,
-            :class:`helpers.learn.attention.SDPAttention`, which notebook 04 measures against it).
-            Ignored by the Transformer Engine spec, which has fused attention of its own.
-        num_experts: ``None``: each layer's MLP is dense. Else a mixture of experts (Shazeer et al. 2017,
-            arXiv:1701.06538; Fedus et al. 2022, "Switch Transformers", arXiv:2101.03961) in every layer:
-            ``num_experts`` MLPs of width ``ffn_size`` and a router, a ``[num_experts, h]`` linear layer without
-            bias, which sends each token to ``moe_router_topk`` experts and sums their outputs weighted by its
-            softmax over the chosen experts' scores (Megatron-LM ``--num-experts``; megatron-core 0.19.2
-            ``transformer/moe/router.py`` ``TopKRouter``, ``moe_layer.py`` ``MoELayer``, and the local spec's
-            ``experts.py`` ``SequentialMLP``). Needs ``add_bias_linear=False``: with biases, an expert's MLP adds
-            its ``linear_fc2`` bias in place to the output of a tensor-parallel reduce that, with the experts on
-            one rank, is a view of its input, which autograd refuses (megatron-core 0.19.2
-            ``transformer/mlp.py:354``; Mixtral's experts have no biases either).
+        core_attention: the local spec's attention kernel: ``"unfused"`` (megatron-core's
+            ``DotProductAttention``, as ``--transformer-impl local``) or ``"sdpa"``
+            (:class:`helpers.learn.attention.SDPAttention`); ignored by the Transformer Engine spec.
+        num_experts: ``None`` for dense MLPs, else a mixture of experts in every layer (Fedus et al. 2022,
+            arXiv:2101.03961; Megatron-LM ``--num-experts``; megatron-core 0.19.2 ``transformer/moe/router.py``
+            ``TopKRouter``, ``moe_layer.py``): a ``[num_experts, h]`` router sends each token to
+            ``moe_router_topk`` experts. Needs ``add_bias_linear=False``: an expert's in-place ``linear_fc2``
+            bias add on a view is refused by autograd (megatron-core 0.19.2 ``transformer/mlp.py:354``).
         moe_router_topk: experts each token is sent to (``--moe-router-topk``, Megatron-LM's default 2).
     """
 
@@ -408,13 +388,29 @@ class Layout:
         return f"TP={self.tensor_model_parallel_size} PP={self.pipeline_model_parallel_size} DP={self.data_parallel_size}"
 
 
+def batch_size_error(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> str:
+    """The message for a global batch that micro-batch x data-parallel size does not divide, with both fixes.
+
+    A resumed run must keep its global batch (Megatron-LM's scheduler counts samples), so the message
+    also names the largest micro-batch that divides it (Megatron-LM ``num_microbatches_calculator.py``).
+    """
+    step = micro_batch_size * data_parallel_size
+    text = (f"global_batch_size={global_batch_size} is not divisible by micro_batch_size x data_parallel_size = "
+            f"{micro_batch_size} x {data_parallel_size} = {step}: use a multiple of {step} "
+            f"(e.g. {max(step, global_batch_size // step * step)})")
+    if global_batch_size % data_parallel_size == 0:
+        share = global_batch_size // data_parallel_size
+        fits = max(m for m in range(1, min(max(micro_batch_size, 1), share) + 1) if share % m == 0)
+        text += f", or micro_batch_size={fits}, which keeps the global batch (as resuming a run needs)"
+    return text
+
+
 def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None = None,
                  micro_batch_size: int | None = None, global_batch_size: int | None = None) -> None:
     """Refuse a layout megatron-core cannot build, before any process starts.
 
-    Megatron-LM checks the same things in ``megatron/training/arguments.py`` (``validate_args``)
-    and ``megatron/core/utils.py::divide`` (an ``AssertionError`` deep inside model building,
-    on every rank, if not caught first).
+    Megatron-LM checks the same in ``megatron/training/arguments.py`` (``validate_args``) and
+    ``megatron/core/utils.py::divide`` (an ``AssertionError`` deep inside model building).
 
     Args:
         model: the model shape.
@@ -455,12 +451,8 @@ def check_layout(model: ModelConfig, layout: Layout, *, world_size: int | None =
                                          f" (impossible: {world_size} is not a multiple of TP x PP = {tp * pp})")
         )
     if micro_batch_size is not None and global_batch_size is not None:
-        step = micro_batch_size * dp
-        if micro_batch_size < 1 or global_batch_size % step:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size x DP = "
-                f"{micro_batch_size} x {dp} = {step}: use a multiple of {step}"
-            )
+        if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp):
+            raise ValueError(batch_size_error(global_batch_size, micro_batch_size, dp))
 
 
 def divisors(n: int) -> list[int]:
@@ -542,8 +534,7 @@ def build_model(cfg: ModelConfig, *, tensor_model_parallel_size: int | None = No
                 layer_spec: str = "auto"):
     """Build megatron-core's ``GPTModel`` (this rank's part of it) for ``cfg``.
 
-    ``parallel_state.initialize_model_parallel`` and the RNG tracker
-    (``tensor_parallel.model_parallel_cuda_manual_seed``; on CPU after
+    ``parallel_state.initialize_model_parallel`` and the RNG tracker (on CPU after
     ``helpers.support.cpu_compat.apply()``) must be set up first, as in Megatron-LM's pretrain_gpt.py.
 
     Args:

@@ -1,45 +1,22 @@
-"""Pre-train a GPT with Megatron-LM's own training loop: the series' ``pretrain_gpt.py``.
+"""Pre-train a GPT with Megatron-LM's own training loop: the series' ``pretrain_gpt.py`` (03 §6, 05 §4).
 
-Megatron-LM's ``pretrain_gpt.py`` is a short script around ``megatron.training.pretrain``, the
-training loop that parses Megatron-LM's command-line flags, initialises the process groups,
-builds the model, the optimizer and the learning-rate schedule, and then trains, evaluates,
-logs, checks for NaN, saves, resumes and exits on a signal. The megatron-core wheel the series
-installs ships that loop (``megatron/training``); only the script lives in the Megatron-LM
-repository. This is the script, for the series' data, with the same flags::
+Megatron-LM's script around ``megatron.training.pretrain``, for the series' data, with the same
+flags (``helpers.runner.megatron_args.command(cfg)`` writes them)::
 
-    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 1 -m helpers.learn.pretrain_gpt \\
-        --num-layers 4 --hidden-size 192 --num-attention-heads 4 ... --data-path RUN/data/codeparrot_content_document
+    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 1 -m helpers.learn.pretrain_gpt --num-layers 4 ...
 
-``helpers.runner.megatron_args.command(cfg)`` writes that command from a run's configuration; the
-same flags run Megatron-LM's ``pretrain_gpt.py`` in the NGC container
-(``torchrun --nproc-per-node 8 pretrain_gpt.py ...``).
-
-What it adds to Megatron-LM's script, and why:
-
-* ``cpu_compat.apply()``: the one line a CPU run needs. Megatron-LM asserts CUDA, allocates on
-  ``device='cuda'`` and synchronises CUDA streams in about 50 places; the shims send those to
-  the CPU (each is named, file and line, in :mod:`helpers.support.cpu_compat`). With CUDA it does nothing.
-* ``cpu_compat.use_prebuilt_dataset_helpers()``: the wheel's dataset helpers are prebuilt, but
-  ``initialize_megatron`` runs ``make`` for them and exits when that fails (GPU too).
-* ``cpu_compat.resume_distributed_optimizer()``: a ``--use-distributed-optimizer`` run resumes
-  (megatron-core's distributed optimizer fails to load with torch's AdamW, and in fp32; GPU too).
-* Every rank reads its own batches: ``pretrain_gpt.py`` builds the datasets on tensor-parallel
-  rank 0 and broadcasts each batch as CUDA tensors (``get_batch_on_this_tp_rank``); here each
-  rank reads the same samples from the memory-mapped ``.bin/.idx`` itself.
-* A known hang guarded before anything starts: a ``--split`` that leaves a part without
-  documents makes megatron-core's index builder loop forever (``dataloader.check_split``).
-* ``rank_record.install()``: with ``SERIES_RANK_RECORD=<folder>`` in the environment, each rank
-  writes what it held (weights, gradients, optimizer state, the activations saved for backward)
-  and when it ran each micro-batch's forward and backward (notebook 05b); unset, nothing changes.
-* What a notebook's launch needs (``helpers.support.run_guard``): the job stops when its launcher dies,
-  one job at a time per run folder, and checkpoints are written through a forked queue.
-
+Additions: :mod:`helpers.support.cpu_compat` (CPU shims; on GPU too its prebuilt dataset helpers and
+distributed-optimizer resume), every rank reading its own batches, ``dataloader.check_split``
+(megatron-core's index builder hangs otherwise), ``rank_record.install()`` (05b) and ``run_guard``.
 Sources: Megatron-LM ``pretrain_gpt.py`` (``core_v0.19.0``: ``loss_func``, ``forward_step``,
-``train_valid_test_datasets_provider``, ``__main__``), ``megatron/training/training.py``
-(``pretrain``), ``megatron/training/argument_utils.py`` (``gpt_config_from_args``).
+``train_valid_test_datasets_provider``), ``megatron/training/training.py`` (``pretrain``).
 """
 
 from __future__ import annotations
+
+import time
+
+_PROGRAM_START_TIME = time.time()  # before the heavy imports, as Megatron-LM's script takes it
 
 import os
 import sys
@@ -52,7 +29,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.enums import ModelType
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.training import get_args, pretrain, print_rank_0
+from megatron.training import get_args, pretrain, print_rank_0, set_startup_timestamps
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
@@ -150,6 +127,7 @@ def main() -> int:
         checkpointing.CheckpointReadError: the checkpoint ``--load`` resumes from has a missing or short shard.
         run_guard.RunFolderBusyError: another job trains into the folder above ``--save``.
     """
+    main_entry = time.time()
     run_guard.checkpoint_queue_in_process()  # no spawned helper process at the first save
     run_guard.watch_launcher()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
@@ -159,6 +137,8 @@ def main() -> int:
     full_config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     rank_record.install()  # with SERIES_RANK_RECORD set: each rank's memory and schedule, measured (notebook 05b)
     run_folder = Path(args.save).resolve().parent if args.save else None
+    # Megatron-LM's start-up report (timers startup-library-setup, startup-initialize-megatron, ...), as its script asks
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=main_entry)
     with run_guard.run_folder_lock(run_folder, enabled=run_folder is not None and int(os.environ.get("RANK", "0")) == 0):
         pretrain(full_config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     if torch.distributed.is_initialized():

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from helpers.learn.model import PROFILES as MODEL_PROFILES
-from helpers.learn.model import ModelConfig
+from helpers.learn.model import ModelConfig, batch_size_error
 
 SUMMARY_FILE = "training_summary.json"
-#: Fields of run.json files written by earlier versions of the series (its own training loop's
-#: samples and DDP switch); read back, they are dropped: none changes what Megatron-LM trains.
+#: Retired fields a run.json may hold (the series' own training loop's samples and DDP switch);
+#: read back, they are dropped: none changes what Megatron-LM trains.
 _RETIRED_FIELDS = {"sample_interval", "sample_prompt", "sample_tokens", "use_megatron_ddp"}
 METRICS_FILE = "metrics.jsonl"
 #: Activation recomputation (``TrainingConfig.recompute``): Korthikanti et al. 2022, sections 4.4 and 5.
@@ -47,30 +47,18 @@ class TrainingConfig:
 
     Attributes (units): batch sizes in samples of ``seq_length`` tokens; iterations are
     optimizer steps; ``lr``/``min_lr`` per step; intervals in iterations.
-    ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``: Megatron-LM's
-    flags for a resume whose learning-rate schedule differs from the checkpoint's: follow this
-    config's schedule, or the saved one (with neither, Megatron-LM refuses such a resume).
-    ``pretrained_checkpoint``: a checkpoint folder whose model weights a run starts from when
-    ``checkpoint_dir`` holds none yet (Megatron-LM's ``--pretrained-checkpoint``: iteration 0,
-    a fresh optimizer). ``layer_spec`` picks ``--transformer-impl`` on a GPU (``"auto"``:
-    Transformer Engine when installed); a CPU always runs megatron-core's local layers.
-    ``recompute``, activation recomputation (Korthikanti et al. 2022): ``"none"``, ``"selective"``
-    (attention's core recomputed in backward, ``--recompute-activations``) or ``"full"`` (each layer
-    recomputed from its input, ``--recompute-granularity full --recompute-method uniform
-    --recompute-num-layers 1``); the arithmetic is the same, so the losses are too.
-    ``use_distributed_optimizer``: the optimizer's state and fp32 weights sharded over the
-    data-parallel ranks (ZeRO-1, Rajbhandari et al. 2020; ``--use-distributed-optimizer``): gradients
-    reduce-scattered, each rank steps its shard, the weights all-gathered; the same arithmetic.
-    ``sequence_parallel`` (TP > 1): the norms, dropouts and residuals work on each tensor-parallel rank's
-    slice of the sequence (Korthikanti et al. 2022, section 4.2.2; ``--sequence-parallel``).
-    ``num_virtual_stages_per_pipeline_rank`` (PP > 1): each rank holds that many non-adjacent chunks of
-    layers and runs the interleaved 1F1B schedule (Narayanan et al. 2021, section 2.2;
-    ``--num-virtual-stages-per-pipeline-rank``); ``None``: one stage per rank.
-    ``expert_model_parallel_size`` (a mixture of experts, ``model.num_experts``): the experts of each layer split
-    over that many ranks, carved out of the data-parallel ones (Lepikhin et al. 2021, "GShard", arXiv:2006.16668;
-    ``--expert-model-parallel-size``): each rank keeps ``num_experts / EP`` experts, and every token is sent to
-    the rank of each expert its router chose and back (megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``,
-    ``MoEAllGatherTokenDispatcher`` on a CPU); the arithmetic is the one-process model's.
+    ``override_opt_param_scheduler`` / ``use_checkpoint_opt_param_scheduler``: on a resume whose
+    schedule differs from the checkpoint's, follow this config's or the saved one.
+    ``pretrained_checkpoint``: weights to start from when ``checkpoint_dir`` holds none (iteration 0,
+    a fresh optimizer). ``layer_spec`` picks ``--transformer-impl`` on a GPU; a CPU runs local layers.
+    ``recompute`` (Korthikanti et al. 2022): ``"none"``, ``"selective"`` (``--recompute-activations``)
+    or ``"full"`` (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``).
+    ``use_distributed_optimizer``: ZeRO-1 (Rajbhandari et al. 2020), optimizer state sharded over DP.
+    ``sequence_parallel`` (TP > 1): Korthikanti et al. 2022, section 4.2.2.
+    ``num_virtual_stages_per_pipeline_rank`` (PP > 1): interleaved 1F1B (Narayanan et al. 2021, section 2.2).
+    ``expert_model_parallel_size``: each layer's experts split over that many of the data-parallel ranks
+    (GShard, arXiv:2006.16668; megatron-core 0.19.2 ``transformer/moe/token_dispatcher.py``).
+    None of these change the arithmetic; the losses match the one-process run's.
     """
     run_dir: str = "runs/latest"
     model: ModelConfig = field(default_factory=lambda: MODEL_PROFILES["cpu"])
@@ -377,11 +365,7 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, data_paralle
     """
     per_step = micro_batch_size * data_parallel_size
     if global_batch_size % per_step:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by micro_batch_size x "
-            f"data_parallel_size = {micro_batch_size} x {data_parallel_size} = {per_step}: "
-            f"use a multiple of {per_step} (e.g. {max(per_step, global_batch_size // per_step * per_step)})"
-        )
+        raise ValueError(batch_size_error(global_batch_size, micro_batch_size, data_parallel_size))
     return global_batch_size // per_step
 
 

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -210,23 +211,19 @@ def torchrun(
         nproc_per_node: number of processes; each gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``.
         timeout_s: wall-clock limit in seconds; past it the whole process group is killed.
         master_port: rendezvous port; a free one is picked when ``None``.
-        env: extra environment variables for the processes.
         log_path: where to also write the full log (appended).
         on_line: called with each output line (``print`` by default, ``None`` for silence).
-        cwd: working directory of the job (default: the current one).
-        log_dir: torchrun's ``--log-dir`` (set as ``PET_LOG_DIR``) for the ranks' error files
-            (default: a temporary folder, removed after a success).
+        log_dir: torchrun's ``--log-dir`` (``PET_LOG_DIR``) for the ranks' error files (default: a
+            temporary folder, removed after a success).
 
-    The job's processes get ``HELPERS_LAUNCHER_PID`` (this process): ``helpers.learn.pretrain_gpt`` stops
-    when this process dies (:func:`helpers.support.run_guard.watch_launcher`).
+    The processes get ``HELPERS_LAUNCHER_PID``: ``helpers.learn.pretrain_gpt`` stops when this process dies.
 
     Returns:
         A :class:`LaunchResult` with the wall time and every output line.
 
     Raises:
         LaunchError: the port is in use, the job timed out, or a rank exited non-zero
-            (``failed_rank`` says which; ``failure`` names its exception, where it was raised,
-            its error file and the log).
+            (``failed_rank`` says which; ``failure`` names its exception, its error file and the log).
     """
     if nproc_per_node < 1:
         raise LaunchError(f"nproc_per_node={nproc_per_node}: need at least 1 process")
@@ -263,6 +260,9 @@ def torchrun(
     log.parent.mkdir(parents=True, exist_ok=True)
     started_at, start = time.time(), time.perf_counter()
     with open(log, "ab") as out:
+        # in Megatron-LM's form ([...] datetime: ...), read by metrics.startup_table; not echoed
+        out.write(f"[launched] datetime: {datetime.fromtimestamp(started_at):%Y-%m-%d %H:%M:%S.%f}\n".encode())
+        out.flush()
         offset = out.tell()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                                 start_new_session=True)
@@ -443,28 +443,18 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
           max_epochs: float = 16.0) -> TrainingResult:
     """Run Megatron-LM's training loop on ``cfg`` under torchrun, with a progress bar.
 
-    The command is :func:`helpers.runner.megatron_args.command`: ``torchrun --nproc-per-node N -m
-    helpers.learn.pretrain_gpt <Megatron-LM's flags>``; ``run.json`` records ``cfg`` in the run folder,
-    ``training.log`` the loop's output, and ``metrics.jsonl`` / ``training_summary.json`` what it
-    logged (:mod:`helpers.runner.metrics`), with the launch's wall seconds beside the preflight's
-    estimate. Megatron-LM resumes from the latest checkpoint in ``cfg.checkpoint_path`` itself (``--load``).
-
-    Skips the launch when the latest checkpoint already reached ``train_iters`` (cached).
-    Every check runs first, in one pass (:func:`helpers.runner.preflight.check_run`), so bad
-    input fails before any process starts.
+    The command is :func:`helpers.runner.megatron_args.command`; the run folder gets ``run.json`` (``cfg``),
+    ``training.log`` and what the loop logged (:mod:`helpers.runner.metrics`). Megatron-LM resumes from the
+    latest checkpoint itself (``--load``); a run already at ``train_iters`` is skipped. Every check runs first
+    (:func:`helpers.runner.preflight.check_run`), so bad input fails before any process starts.
 
     Args:
-        cfg: the run; ``nproc_per_node`` must be a multiple of TP x PP.
-        nproc_per_node: processes (one per GPU on a GPU machine).
-        timeout_s: wall-clock limit (s); past it every process is killed (SIGTERM first: the
-            loop saves a checkpoint, ``--exit-signal-handler``).
-        master_port: rendezvous port (a free one by default).
+        nproc_per_node: processes (one per GPU on a GPU machine), a multiple of TP x PP.
+        timeout_s: wall-clock limit (s); past it every process gets SIGTERM (the loop saves a checkpoint).
         progress: show a tqdm bar over iterations; ``echo`` also prints every log line.
-        env: extra environment variables (e.g. ``OMP_NUM_THREADS``; CPU results are
-            bit-identical only between runs with the same thread count).
-        max_epochs: refuse a run that would read its training data more often than this
-            (:func:`helpers.runner.preflight.check_repeats`; default :data:`helpers.runner.preflight.MAX_EPOCHS`;
-            0: no limit).
+        env: extra environment variables (CPU results are bit-identical only with the same thread count).
+        max_epochs: refuse a run reading its training data more often (default
+            :data:`helpers.runner.preflight.MAX_EPOCHS`; 0: no limit).
 
     Raises:
         ValueError / FileNotFoundError: bad config (see :meth:`TrainingConfig.check`).
@@ -475,9 +465,8 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
         helpers.runner.launch.LaunchError: port in use, timeout, or a rank failed (its log tail).
         helpers.runner.preflight.RepeatedDataError: more than ``max_epochs`` epochs (nothing started).
         helpers.support.run_guard.RunFolderNotWritableError: the run or checkpoint folder cannot be written.
-        helpers.support.run_guard.DiskFullError: the checkpoints to come need more space than the disk has
-            free (nothing started), or the disk filled up during the run (the unfinished checkpoint
-            is deleted; the last complete one stays).
+        helpers.support.run_guard.DiskFullError: the checkpoints need more space than the disk has free
+            (nothing started), or the disk filled up (the unfinished checkpoint is deleted).
     """
     from tqdm.auto import tqdm
 
@@ -493,8 +482,12 @@ def train(cfg, *, nproc_per_node: int = 1, timeout_s: float = 3600.0,
     command = [*megatron_args.SCRIPT[1:], *megatron_args.arguments(cfg)]  # Megatron-LM's flags for cfg
     cfg.to_json(config_path)
     log_path = cfg.run_path / "training.log"
-    if latest is None and log_path.exists():  # a fresh start: the log of an earlier, deleted run goes
-        log_path.unlink()
+    earlier = [p for p in (log_path, cfg.metrics_file) if p.exists()] if latest is None else []
+    for path in earlier:  # a fresh start in a folder that holds an earlier run's records: they are kept aside
+        path.replace(path.with_name(path.name + ".previous"))
+    if earlier:
+        print(f"no checkpoint in {cfg.checkpoint_path}: this run starts at iteration 0. The earlier run's "
+              f"{' and '.join(p.name for p in earlier)} are kept as *.previous beside them.", flush=True)
     bar = tqdm(total=cfg.train_iters, initial=latest or 0, desc="training", unit="it") if progress else None
 
     def on_line(line: str) -> None:

@@ -1,14 +1,10 @@
 """Megatron-LM's command line for a run of the series, and the guide's 2022 command beside it.
 
-A run's :class:`helpers.learn.training_config.TrainingConfig` becomes the flags of Megatron-LM's
-``pretrain_gpt.py`` (:func:`arguments`, :func:`command`); the series runs them with its own
-copy of that script, :mod:`helpers.learn.pretrain_gpt`, and the same flags run Megatron-LM's script
-in the NGC container. :func:`flag_table` sets every flag beside the flag Hugging Face's guide
-used in 2022 and the series' parameter it comes from (notebook 03, section 6).
-
-The implementation flags depend on the machine that runs them, not the one that writes them:
-:func:`target_flags` decides them from a :class:`Target` (GPUs, Transformer Engine, Apex's
-extensions, bf16), probed here (:func:`probe_target`) or named (:data:`TARGETS`, ``--target``).
+A :class:`helpers.learn.training_config.TrainingConfig` becomes the flags of Megatron-LM's
+``pretrain_gpt.py``; the series runs them with its copy of that script, :mod:`helpers.learn.pretrain_gpt`,
+and the same flags run Megatron-LM's script in the NGC container. :func:`flag_table` sets every flag
+beside the guide's 2022 flag and the series' parameter it comes from (notebook 03, section 6). The
+implementation flags follow a :class:`Target` (GPUs, Transformer Engine, Apex, bf16), probed or named.
 
 Sources: the guide's ``pretrain_gpt.py`` command (``GPT_ARGS``, 2022); Megatron-LM
 ``megatron/training/arguments.py`` and ``argument_utils.py`` (``core_v0.19.0``, the flags'
@@ -20,7 +16,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from helpers.learn.training_config import TrainingConfig
 
@@ -243,7 +239,7 @@ def probe_target() -> Target:
 def resolve_target(target: Target | str | None = None, *, cpu: bool | None = None) -> Target:
     """``target`` as a :class:`Target`: a name of :data:`TARGETS`, or ``None`` to probe this process.
 
-    ``cpu`` is the older spelling: ``True`` is ``"cpu"``, ``False`` is ``"gpu-te"``.
+    ``cpu`` is another spelling of ``target``: ``True`` is ``"cpu"``, ``False`` is ``"gpu-te"``.
 
     Raises:
         ValueError: an unknown name (the message lists :data:`TARGETS`).
@@ -325,10 +321,9 @@ def arguments(cfg: TrainingConfig, *, target: Target | str | None = None, cpu: b
     """Megatron-LM's flags for ``cfg`` on ``target``: :data:`FLAGS` in order, then :func:`target_flags`.
 
     Args:
-        cfg: the run.
         target: the machine that will run the flags (:data:`TARGETS` name or :class:`Target`);
             ``None``: this process's devices and libraries (:func:`probe_target`).
-        cpu: the older spelling of ``target``: ``True`` = ``"cpu"``, ``False`` = ``"gpu-te"``.
+        cpu: another spelling of ``target``: ``True`` = ``"cpu"``, ``False`` = ``"gpu-te"``.
 
     Returns:
         ``["--num-layers", "4", ...]``: argv for ``pretrain_gpt.py``.
@@ -355,6 +350,42 @@ def command(cfg: TrainingConfig, *, nproc_per_node: int = 1, target: Target | st
     Megatron-LM's own script takes the same flags: replace ``-m helpers.learn.pretrain_gpt`` by ``pretrain_gpt.py``.
     """
     return ["torchrun", f"--nproc-per-node={nproc_per_node}", *SCRIPT, *arguments(cfg, target=target, cpu=cpu)]
+
+
+#: torchrun's rendezvous flags: their address and port differ from launch to launch, not from layout to layout.
+_RENDEZVOUS = frozenset({"--master_port", "--master-port", "--master_addr", "--master-addr", "--rdzv_endpoint",
+                         "--rdzv-endpoint"})
+
+
+def flag_difference(reference: Sequence[str], command: Sequence[str]) -> list[str]:
+    """The flags ``command`` adds to ``reference`` or sets otherwise, then those it drops (``"without --flag"``).
+
+    Both are argument lists as :func:`command` or a launch plan writes them. A flag's value is what
+    follows its ``=``, or else the words up to the next flag. Values that name files or folders (a
+    ``/`` inside) and torchrun's rendezvous address and port are left out, so runs that differ only in
+    their run folders differ in nothing. Notebooks 05 and 05b print it.
+    """
+    def is_flag(word: str) -> bool:
+        try:
+            float(word)  # a negative number is a value
+            return False
+        except ValueError:
+            return word.startswith("-")
+
+    def parse(words: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        flags: dict[str, list[str]] = {}
+        last = None  # the flag that takes the next words, if any
+        for word in words:
+            if is_flag(word):
+                flag, equals, value = word.partition("=")  # torchrun's --nproc_per_node=N
+                flags[flag], last = ([value], None) if equals else ([], flag)
+            elif last is not None:
+                flags[last].append(word)
+        return {f: tuple(v) for f, v in flags.items() if f not in _RENDEZVOUS and not any("/" in w for w in v)}
+
+    ref, cmd = parse(reference), parse(command)
+    added = [" ".join((f, *v)) for f, v in cmd.items() if ref.get(f) != v]
+    return added + [f"without {f}" for f in ref if f not in cmd]
 
 
 def shell_command(cfg: TrainingConfig, *, nproc_per_node: int = 1, target: Target | str | None = None,

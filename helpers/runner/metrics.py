@@ -1,18 +1,12 @@
 """What Megatron-LM's training loop logged, read back: its TensorBoard scalars and its log lines.
 
-``megatron.training.pretrain`` prints a line every ``--log-interval`` iterations and writes
-the loss, learning rate and gradient norm of every iteration to TensorBoard
-(``--tensorboard-dir``). :func:`from_megatron_lm` turns both into the records notebooks 03,
-05 and 06 plot, and writes them as ``metrics.jsonl`` (:func:`read_metrics` reads it back).
+:func:`from_megatron_lm` turns both into the records notebooks 03, 05 and 06 plot (``metrics.jsonl``).
+The records undo two habits of ``megatron/training/training.py`` (``core_v0.19.0``):
 
-Two habits of Megatron-LM's logging that the records undo (``megatron/training/training.py``,
-``core_v0.19.0``):
-
-* the totals behind a log line are not reset after the first iteration of a launch
-  (``training_log``: ``should_reset = not is_first_iteration``), so the second line of each launch
-  averages that first iteration in again; the records average TensorBoard's per-iteration losses;
-* the learning rate logged at iteration ``i`` is the one set *after* its step, for iteration
-  ``i + 1`` (the scheduler steps before the log), as TensorBoard's ``learning-rate`` shows.
+* ``training_log`` does not reset its totals after a launch's first iteration (``should_reset = not
+  is_first_iteration``), so a launch's second log line averages that iteration in again; the records
+  average TensorBoard's per-iteration losses;
+* the learning rate logged at iteration ``i`` is the one for iteration ``i + 1`` (the scheduler steps first).
 
 Sources: Megatron-LM ``megatron/training/training.py`` (``training_log``,
 ``evaluate_and_print_results``); TensorBoard's ``EventAccumulator``.
@@ -57,19 +51,15 @@ def from_megatron_lm(cfg, log_text: str, *, write: bool = True) -> dict[str, lis
     """The records of a run of Megatron-LM's loop, from its TensorBoard folder and its log.
 
     Args:
-        cfg: the run's :class:`~helpers.learn.training_config.TrainingConfig` (its tensorboard folder,
-            global batch size and sequence length).
-        log_text: the loop's output (every launch of the run, oldest first: a resumed run repeats
-            iterations, and the last launch's lines win).
+        cfg: the run's :class:`~helpers.learn.training_config.TrainingConfig`.
+        log_text: the loop's output, every launch oldest first (a resumed run repeats iterations; the last wins).
         write: also write the records to ``cfg.metrics_file`` (``metrics.jsonl``).
 
     Returns:
-        ``{"iteration": [...], "train": [...], "valid": [...], "test": [...]}``: per iteration
-        ``{iteration, lm_loss, lr, grad_norm}`` (nats per token; ``lr`` as Megatron-LM logs it);
-        per log line ``{iteration, lm_loss (mean over the interval), lr, grad_norm, s_per_iter,
-        tokens_per_s, consumed_samples}``; per evaluation ``{iteration, lm_loss, ppl, when}``
-        (``when``: ``"during"`` training, or ``"end"``: the evaluation after training, on new
-        validation batches; the test split's is under ``"test"``).
+        ``{"iteration", "train", "valid", "test"}`` lists: per iteration ``{iteration, lm_loss, lr, grad_norm}``
+        (nats per token); per log line ``{iteration, lm_loss (interval mean), lr, grad_norm, s_per_iter,
+        tokens_per_s, consumed_samples}``; per evaluation ``{iteration, lm_loss, ppl, when}`` (``when``:
+        ``"during"`` training or ``"end"``, on new validation batches; the test split's under ``"test"``).
     """
     scalars = read_tensorboard(cfg.tensorboard_path)
     loss, lr, norm = (scalars.get(t, {}) for t in ("lm loss", "learning-rate", "grad-norm"))
@@ -147,3 +137,51 @@ def read_metrics(path: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
                 rec = json.loads(line)
                 out.setdefault(rec["kind"], []).append(rec)
     return out
+
+
+#: Megatron-LM's start-up timers, in the order a launch passes them, and what each covers (``training.py``,
+#: ``pretrain`` and ``setup_model_and_optimizer``; the script registers the first two with ``set_startup_timestamps``).
+STARTUP_PHASES = {
+    "startup-library-setup": "imports (torch, megatron.core, megatron.training)",
+    "startup-program-setup": "the script before pretrain (flags parsed, tokenizer built)",
+    "startup-megatron-init-local": "initialize_megatron (process groups, seeds)",
+    "model-and-optimizer-setup": "model, optimizer, scheduler (and --load)",
+    "train/valid/test-data-iterators-setup": "datasets and their indices",
+}
+_TIMER = re.compile(r"^\s*([\w/-]+) \.+: \(([\d.]+), ([\d.]+)\)")
+_DATETIME = re.compile(r"^\[(launched|before library-setup|before the start of training step|after training is done)\] "
+                       r"datetime: (\S+ \S+)")
+
+
+def startup_table(log_text: str, wall_seconds: float) -> list[dict[str, Any]]:
+    """Where one launch's wall time went, from Megatron-LM's start-up timers and datetimes in its log.
+
+    Rows ``{"phase", "seconds", "share"}``: torchrun's start (the launcher's ``[launched]`` line to
+    Megatron-LM's ``[before library-setup]``), the phases of :data:`STARTUP_PHASES` (the slowest rank's
+    time), the training iterations (``[before the start of training step]`` to ``[after training is
+    done]``), and the rest of ``wall_seconds``: the evaluation after training, the last save and the
+    exit. Empty when the log lacks the start-up timers (a script without ``set_startup_timestamps``).
+    A resumed run's log holds several launches: the last one is read.
+    """
+    from datetime import datetime
+
+    launches = log_text.split("[launched] datetime: ")
+    text = launches[-1] if len(launches) > 1 else log_text
+    timers, stamps = {}, {}
+    for line in ("[launched] datetime: " + text if len(launches) > 1 else text).splitlines():
+        if (m := _TIMER.match(line)) and m[1] in STARTUP_PHASES:
+            timers[m[1]] = float(m[3]) / 1e3
+        elif m := _DATETIME.match(line):
+            stamps[m[1]] = datetime.fromisoformat(m[2])
+    if "startup-library-setup" not in timers:
+        return []
+    rows = []
+    if "launched" in stamps and "before library-setup" in stamps:
+        rows.append(("torchrun's start, until the script runs",
+                     (stamps["before library-setup"] - stamps["launched"]).total_seconds()))
+    rows += [(STARTUP_PHASES[k], timers[k]) for k in STARTUP_PHASES if k in timers]
+    if "before the start of training step" in stamps and "after training is done" in stamps:
+        rows.append(("training iterations", (stamps["after training is done"]
+                                             - stamps["before the start of training step"]).total_seconds()))
+    rows.append(("the rest: evaluation after training, last save, exit", wall_seconds - sum(s for _, s in rows)))
+    return [{"phase": p, "seconds": round(s, 2), "share": f"{s / wall_seconds:.0%}"} for p, s in rows]

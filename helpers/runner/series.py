@@ -1,29 +1,15 @@
-"""Run the notebook series with papermill: profiles, parameter overrides, one run folder.
+"""Run the notebook series with papermill (``make tutorial``): profiles, parameter overrides, one run folder.
 
 Command line::
 
-    python -m helpers.runner.series run                       # the `cpu` profile without a GPU
-    python -m helpers.runner.series run --profile cpu -p train_iters=500
-    python -m helpers.runner.series run --only 01 02 -p 01_data_preprocessing.vocab_size=4096
-    python -m helpers.runner.series params                    # every notebook's parameters
+    python -m helpers.runner.series run --profile cpu -p train_iters=500 [--only 01 02]
+    python -m helpers.runner.series params                            # every notebook's parameters
     python -m helpers.runner.series solutions --run-dir runs/latest   # the exercises' solutions
 
-Each notebook is executed in order into ``runs/<name>/executed/`` with the shared run folder
-passed as its ``run_dir`` parameter; ``runs/latest`` points at the newest run folder, and
-``summary.json`` collects what each notebook recorded plus its wall seconds. A notebook runs
-first into ``executed/last-attempt/`` with its results and figures kept apart there; only when
-it succeeds do they replace its last good ones, so a failed rerun destroys nothing (the failed
-attempt stays in ``last-attempt/`` to read). A run folder that cannot be written, or whose disk
-is too full for notebook 03's checkpoints, is refused before anything starts.
-
-Profiles and ``-p`` overrides are resolved by :mod:`helpers.runner.parameters` (re-exported here:
-``PROFILES``, ``ParameterError``, ``parse_override``, ``resolve_parameters``, ``notebook_parameters``).
-
-Stages: :data:`PRODUCES` says which files of the run folder each notebook writes for later
-ones and :data:`NEEDS` which notebooks each one reads from. ``run --only 06`` runs the missing
-ones first (01 and 03) with the same profile; a notebook opened alone in Jupyter calls
-:func:`require`, which does the same or, with ``build=False``, prints the exact command.
-This is the one place that knows the order of the stages: no notebook rebuilds another's output.
+Each notebook runs in order into ``runs/<name>/executed/`` (first into ``executed/last-attempt/``, so a
+failed rerun destroys nothing); ``runs/latest`` points at the newest run. :data:`PRODUCES` and :data:`NEEDS`
+are the one place that knows the order of the stages: ``run --only 06`` and a notebook opened alone
+(:func:`require`) run the missing ones first. Profiles and ``-p``: :mod:`helpers.runner.parameters`.
 """
 
 from __future__ import annotations
@@ -84,6 +70,8 @@ ATTEMPT_DIR = "last-attempt"
 MEASURED_SECONDS: dict[str, dict[str, float]] = {"cpu": timings.notebook_seconds()}
 #: Seconds between two progress lines of a notebook that is still running.
 HEARTBEAT_S = 30.0
+#: The run folder this process is running notebooks in (named by the message after Ctrl-C).
+_running_folder: Path | None = None
 
 #: Per-cell timeout (seconds) for papermill, by profile.
 CELL_TIMEOUT_S = {"smoke": 600, "cpu": 1800, "cpu-long": 7200, "gpu": 7200, "codeparrot-small": None}
@@ -141,21 +129,19 @@ def stages_needed(stem: str, run_dir: str | os.PathLike) -> list[str]:
 def require(stem: str, run_dir: str | os.PathLike, profile: str | None = None, *, build: bool = True) -> Path:
     """Make sure the files notebook ``stem`` reads are in ``run_dir``; run the missing stages.
 
-    The first code cell of notebooks 02, 03, 05 and 06 calls this. Under the runner it finds
-    everything in place (the runner ran the stages in order). Opened alone in Jupyter, it
-    runs each missing notebook with papermill into ``{run_dir}/executed/`` with the same
-    ``profile``, exactly as ``python -m helpers.runner.series run --only NN`` would.
+    The first code cell of notebooks 02, 03, 05 and 06 calls this. Under the runner everything is in place;
+    opened alone in Jupyter, it runs each missing notebook as ``python -m helpers.runner.series run --only NN``
+    would, into ``{run_dir}/executed/`` with ``profile`` (default :func:`default_profile`).
 
     Args:
         stem: the calling notebook, e.g. ``"06_conversion"``.
-        run_dir: the run folder.
-        profile: the profile to run missing stages with (default :func:`default_profile`).
         build: ``False``: do not run anything; raise with the command instead.
 
     Returns:
         The run folder, resolved.
 
     Raises:
+        NotADirectoryError: ``run_dir`` is a file.
         FileNotFoundError: (``build=False``) a needed stage is missing; the message is the command.
     """
     folder = Path(run_dir).expanduser().resolve()
@@ -198,22 +184,18 @@ def run(
     Args:
         profile: a key of :data:`PROFILES`; ``None`` picks the profile ``run_dir`` was made with, else
             :func:`default_profile`.
-        overrides: parameter overrides, see :func:`resolve_parameters`.
-        run_dir: the run folder; default ``runs/<profile>-<timestamp>``. ``runs/latest``
-            points at it when it lies in ``runs/`` (for an ``only`` run, only when there is no
-            ``runs/latest`` yet: the other notebooks read it by default). Reusing a folder
-            reuses its artifacts.
+        run_dir: default ``runs/<profile>-<timestamp>``; ``runs/latest`` points at it when it lies in
+            ``runs/`` (for an ``only`` run, only when there is no ``runs/latest`` yet). A reused folder's
+            artifacts are reused.
         only: notebook numbers or stems to run (``["01", "02"]``); default all.
-        log_output: stream the notebooks' cell output to this terminal.
 
     Returns:
         One :class:`NotebookRun` per executed notebook.
 
     Raises:
         ParameterError: bad profile or parameter (before anything runs).
-        NotebookError: a cell failed; the message names the notebook, the cell, the error and
-            the partly executed notebook, which is kept in ``executed/last-attempt/`` (the last
-            good executed notebook and its results stay in place).
+        NotebookError: a cell failed; the message names the notebook, the cell and the error; the partly
+            executed notebook stays in ``executed/last-attempt/``, the last good one in place.
         helpers.support.run_guard.RunFolderNotWritableError: the run folder cannot be written (nothing started).
         helpers.support.run_guard.RunFolderBusyError: another series runner is running in the folder (nothing started).
         helpers.support.run_guard.DiskFullError: too little free space for notebook 03's checkpoints
@@ -248,6 +230,8 @@ def run(
 def _run_notebooks(folder: Path, selected: list[Path], params: dict[str, dict[str, Any]], plan, profile: str,
                    overrides: dict[str, Any] | None, only: Iterable[str] | None, log_output: bool) -> list[NotebookRun]:
     """The body of :func:`run`, under the run folder's runner lock: each notebook, attempt by attempt."""
+    global _running_folder
+    _running_folder = folder
     report.record_start(folder, profile=profile, overrides=overrides, notebooks=[p.stem for p in notebooks()])
     latest = RUNS_DIR / "latest"
     if folder.parent.resolve() == RUNS_DIR.resolve() and (only is None or not (latest.is_symlink() or latest.exists())):
@@ -391,16 +375,13 @@ def run_solutions(run_dir: str | os.PathLike, profile: str | None = None, *, onl
                   workers: int = 1, log_output: bool = False) -> list[NotebookRun]:
     """Execute the solutions notebooks against a run folder, into ``{run_dir}/executed/solutions/``.
 
-    Each solutions notebook reads the run's files (and runs the stages it needs that are missing,
-    with ``profile``, like :func:`require`); it writes only under ``{run_dir}/solutions/``.
+    Each reads the run's files (running missing stages with ``profile``, like :func:`require`) and writes
+    only under ``{run_dir}/solutions/``.
 
     Args:
-        run_dir: the run folder whose results the solutions use (e.g. ``runs/latest``).
-        profile: the profile of stages that must be run first (default: the run's, else :func:`default_profile`).
         only: notebook numbers or stems (``["01"]``); default all.
-        workers: how many notebooks run at a time (2 on 2 cores overlaps their kernels' imports);
-            with more than 1, the stages the solutions read (01, 03, 06) are made first.
-        log_output: stream the cells' output to this terminal.
+        workers: notebooks run at a time (2 on 2 cores overlaps their imports); with more than 1, the
+            stages the solutions read (01, 03, 06) are made first.
 
     Returns:
         One :class:`NotebookRun` per executed solutions notebook, in order.
@@ -579,9 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"\ninterrupted: the notebook that was running is kept as far as it got in <run folder>/executed/"
-              f"{ATTEMPT_DIR}/ (not a result); a training run saved a checkpoint on the way out, and the same "
-              "command resumes from it.", file=sys.stderr)
+        attempt = (_running_folder or Path("<run folder>")) / "executed" / ATTEMPT_DIR
+        print(f"\ninterrupted: the notebook that was running is kept as far as it got in {attempt}/ (not a result); "
+              "a training run saved a checkpoint on the way out, and the same command resumes from it.", file=sys.stderr)
         return 130
     except NotebookError as err:
         print(f"\nerror: {err}", file=sys.stderr)
