@@ -73,7 +73,7 @@ def test_a_named_target_writes_the_gpu_command_on_this_cpu(tmp_path):
     cfg = training_config.profile("gpu", str(tmp_path))
     text = megatron_args.shell_command(cfg, target="gpu-te", script="pretrain_gpt.py", nproc_per_node=8)
     first, rest = text.split("\n", 1)
-    assert first == "# written for target gpu-te: 1 GPU(s), Transformer Engine, no Apex gradient fusion, bf16"
+    assert first == "# written for target gpu-te: CUDA GPUs, Transformer Engine, no Apex gradient fusion, bf16"
     assert "    --bf16 \\\n" in rest and "    --transformer-impl transformer_engine \\\n" in rest
     assert "--distributed-backend" not in rest and "--use-cpu-initialization" not in rest
     assert "--micro-batch-size 32" in rest  # a micro-batch that fills the GPU (32 x 1,024 tokens)

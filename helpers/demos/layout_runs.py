@@ -457,11 +457,14 @@ def wall_time_summary(reference: LayoutRun, runs: Sequence[LayoutRun], cores: in
                f"{len(faster)} of the {len(runs)} parallel runs {'was' if len(faster) == 1 else 'were'} faster per "
                f"iteration than one process by more than {noise} ({', '.join(faster)})")
     plural = "s" if cores > 1 else ""
+    shared = (f"the {procs} processes of a parallel run share the same {cores} core{plural} the one process had to "
+              "itself, so no layout gets more compute")
+    why = (f"{shared}, and each adds communication over gloo: TP all-reduces inside every layer, PP sends between its "
+           "stages and its pipeline bubble, DP one gradient all-reduce per step" if not faster else
+           f"{shared}, so the one process was slowed here: most likely by other jobs on the machine while it ran, or "
+           "by its two threads. Rerun on an idle machine before reading a speed-up into it")
     return (f"On this machine's {cores} CPU core{plural}, {verdict}. Time per iteration against {ref:.3f} s for one "
-            f"process: {each}. Why: the {procs} processes of a parallel run share the same {cores} core{plural} the "
-            "one process had to itself, so no layout gets more compute, and each adds communication over gloo: TP "
-            "all-reduces inside every layer, PP sends between its stages and its pipeline bubble, DP one gradient "
-            "all-reduce per step.")
+            f"process: {each}. Why: {why}.")
 
 
 def plot_wall_times(reference: LayoutRun, runs: Sequence[LayoutRun], title: str = "Wall time per layout"):

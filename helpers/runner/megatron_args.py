@@ -201,10 +201,11 @@ class Target:
     bf16: bool
 
     def describe(self) -> str:
-        """One line: ``target gpu-te: 8 GPU(s), Transformer Engine, no Apex extensions, bf16``."""
+        """One line: ``target gpu-te: CUDA GPUs, Transformer Engine, no Apex gradient fusion, bf16`` (no count: the
+        flags are the same for one GPU or many)."""
         if not self.gpus:
             return f"target {self.name}: no GPU (gloo, megatron-core's local layers, fp32)"
-        parts = [f"{self.gpus} GPU(s)", "Transformer Engine" if self.transformer_engine else "no Transformer Engine",
+        parts = ["CUDA GPUs", "Transformer Engine" if self.transformer_engine else "no Transformer Engine",
                  "Apex's fused_weight_gradient_mlp_cuda" if self.apex_gradient_fusion else "no Apex gradient fusion",
                  "bf16" if self.bf16 else "no bf16 (fp16)"]
         return f"target {self.name}: " + ", ".join(parts)
