@@ -90,11 +90,17 @@ print(json.dumps({"layout": "DP=2 against 1 process", "losses_1": one.losses, "l
 """
 
 
+#: How much longer each step and launch may take with --cpu-smoke: 2 CPU cores, perhaps shared, run the tiny
+#: model slower than a GPU runs the real one.
+CPU_SLOWDOWN = 5
+
+
 def plan(args: argparse.Namespace) -> list[dict]:
     """The steps: ``{"name", "argv", "timeout_s", "what"}``; the commands run from the repository root."""
     py, run = sys.executable, Path(args.run_dir).resolve()
     check = run / "check"
     smoke = ["--cpu-smoke"] if args.cpu_smoke else []
+    slow = CPU_SLOWDOWN if args.cpu_smoke else 1  # each launch's own limit, as each step's
     return [
         {"name": "stack", "argv": [py, "-c", STACK], "timeout_s": 30,
          "what": "torch, CUDA, TE, Apex's extensions, TF32, PIP_CONSTRAINT, the probed target"},
@@ -106,9 +112,9 @@ def plan(args: argparse.Namespace) -> list[dict]:
          "ieee_fp32": True,  # the conversion proofs compare fp32 logits: TF32 off (environment.IEEE_FP32_ENV)
          "what": f"the gpu profile's Megatron-LM launch for {args.iters} iterations (tokens/s, MFU), conversion "
                  "on the GPU with 06's proofs, TP=2 when there are 2 GPUs"},
-        {"name": "way_back", "argv": [py, "-c", WAY_BACK, str(check / "throughput"), str(run / "way_back"), "10", "50"],
+        {"name": "way_back", "argv": [py, "-c", WAY_BACK, str(check / "throughput"), str(run / "way_back"), "10", str(50 * slow)],
          "timeout_s": 60, "what": "transformers -> megatron-core checkpoint, trained on for 10 iterations"},
-        {"name": "layout", "argv": [py, "-c", LAYOUT, str(check), "6", "25"], "timeout_s": 60,
+        {"name": "layout", "argv": [py, "-c", LAYOUT, str(check), "6", str(25 * slow)], "timeout_s": 60,
          "what": "DP=2 against one process from the same weights (6 iterations)"},
     ]
 
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- {s['name']}: skipped, the budget was spent")
             continue
         print(f"-- {s['name']} ...", flush=True)
-        limit = s["timeout_s"] * (5 if args.cpu_smoke else 1)  # 2 CPU cores run the tiny model slower than a GPU
+        limit = s["timeout_s"] * (CPU_SLOWDOWN if args.cpu_smoke else 1)
         record["steps"][s["name"]] = r = _run_step({**s, "timeout_s": min(limit, left)})
         print(f"   {'ok' if r['ok'] else 'FAILED'} in {r['wall_s']} s: {r['result']}"[:400]
               + ("" if r["ok"] else "\n   " + "\n   ".join(r["tail"])))

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -522,6 +524,15 @@ def _failure_text(stem: str, err, output: Path, last_good: Path | None = None) -
     return f"notebook {stem} failed in {cell}: {err.ename}\n{body}\n{where}"
 
 
+def _mute_on_interrupt(signum, frame) -> None:
+    """Ctrl-C: mute what the notebook machinery reports on its way down (nbclient's "Kernel died while
+    waiting for execute reply", asyncio's "Task exception was never retrieved" when that task is
+    collected), then raise KeyboardInterrupt as Python's own handler does: the runner prints its message."""
+    for name in ("asyncio", "papermill", "traitlets", "nbclient"):
+        logging.getLogger(name).disabled = True
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers.runner.series", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -542,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     params_p = sub.add_parser("params", help="list every notebook's parameters")
     params_p.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     args = parser.parse_args(argv)
+    own_handler = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if own_handler:
+        signal.signal(signal.SIGINT, _mute_on_interrupt)
     try:
         if args.command == "params":
             for path in notebooks():
@@ -567,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     except NotebookError as err:
         print(f"\nerror: {err}", file=sys.stderr)
         return 1
+    finally:
+        if own_handler:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     return 0
 
 
