@@ -56,14 +56,18 @@ def latest_iteration(checkpoint_dir: str | os.PathLike) -> int | None:
         iteration = int(text)
     except ValueError:
         iteration = -1
-    if iteration < 0 or not iteration_dir(checkpoint_dir, iteration).is_dir():
-        saved = sorted(int(p.name[5:]) for p in Path(checkpoint_dir).glob("iter_*") if p.name[5:].isdigit() and p.is_dir())
-        fix = (f"write {saved[-1]} into it to resume from {iteration_dir(checkpoint_dir, saved[-1]).name}, the latest folder "
-               "there (check it is whole), or delete it to start over" if saved else "delete it to start over")
-        what = f"names iteration {iteration}, but {iteration_dir(checkpoint_dir, iteration).name} is missing" if iteration >= 0 \
-            else f"holds {text!r}, not an iteration number"
-        raise ValueError(f"{tracker} {what}. Nothing was changed. Fix: {fix}.")
-    return iteration
+    if iteration >= 0 and iteration_dir(checkpoint_dir, iteration).is_dir():
+        return iteration
+    if iteration >= 0:
+        what = f"names iteration {iteration}, but {iteration_dir(checkpoint_dir, iteration).name} is missing"
+    else:
+        what = f"holds {text!r}, not an iteration number"
+    saved = sorted(i for p in Path(checkpoint_dir).iterdir() if p.is_dir() and (i := iteration_of(p)) is not None)
+    fix = "delete it to start over"
+    if saved:
+        fix = (f"write {saved[-1]} into it to resume from {iteration_dir(checkpoint_dir, saved[-1]).name}, the latest "
+               f"folder there (check it is whole), or {fix}")
+    raise ValueError(f"{tracker} {what}. Nothing was changed. Fix: {fix}.")
 
 
 MODEL_FILE = "model_optim_rng.pt"

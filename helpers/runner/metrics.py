@@ -18,6 +18,7 @@ import json
 import os
 import re
 import statistics
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -163,12 +164,9 @@ def startup_table(log_text: str, wall_seconds: float) -> list[dict[str, Any]]:
     exit. Empty when the log lacks the start-up timers (a script without ``set_startup_timestamps``).
     A resumed run's log holds several launches: the last one is read.
     """
-    from datetime import datetime
-
-    launches = log_text.split("[launched] datetime: ")
-    text = launches[-1] if len(launches) > 1 else log_text
+    last = log_text.rfind("[launched] datetime: ")  # a resumed run's log holds one launch after another
     timers, stamps = {}, {}
-    for line in ("[launched] datetime: " + text if len(launches) > 1 else text).splitlines():
+    for line in log_text[max(last, 0):].splitlines():
         if (m := _TIMER.match(line)) and m[1] in STARTUP_PHASES:
             timers[m[1]] = float(m[3]) / 1e3
         elif m := _DATETIME.match(line):
