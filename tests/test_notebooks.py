@@ -58,6 +58,18 @@ def test_title_cell_and_closing_sections(path):
     assert positions == sorted(positions), f"{path.name}: {REQUIRED_HEADINGS} out of order"
 
 
+def test_03s_recorded_comparison_table_is_the_recording():
+    """03 section 3.2 copies data/architectures_cpu.json into a markdown table: each run's row must still be the file's."""
+    recording = json.loads((series.ROOT / "data" / "architectures_cpu.json").read_text())
+    markdown = "\n".join(c.source for c in _read(series.ROOT / "notebooks" / "03_training.ipynb").cells
+                         if c.cell_type == "markdown" and "### 3.2" in c.source)
+    table = {cells[0].strip("` "): [c.strip() for c in cells[1:]] for cells in
+             (line.strip("|").split("|") for line in markdown.splitlines() if line.startswith("| `"))}
+    expected = {r["candidate"]: [f"{r['train_iters']:,}", f"{r['s_per_iter']:.4f}", f"{r['train_wall_s']:.1f}", f"{r['valid_loss']:.3f}",
+                                 f"{r['unseen_bpb']:.3f}", f"{r['unseen_gzip_bpb']:.3f}"] for r in recording["rows"]}
+    assert table == expected
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_one_parameters_cell_of_typed_commented_literals(path):
     nb = _read(path)

@@ -50,6 +50,9 @@ SCRIPT = textwrap.dedent("""
     timers = Timers(2, "minmax")  # notebook 04's section 11: Megatron's timers, printed
     timers("forward-backward", log_level=1).start(); timers("forward-backward").stop()
     timers.get_all_timers_string()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]):  # notebook 04's section 11 profiles a training step
+        torch.mm(torch.ones(4, 4), torch.ones(4, 4))
     warnings.warn("a message nobody listed")
     print("VERSION", megatron.core.__version__)
     print("SUPPRESSED", sorted(quiet.suppressed().items()))
@@ -102,3 +105,9 @@ def test_table_lists_every_message_with_its_source():
     table = quiet.table().splitlines()
     assert len(table) == 2 + len(quiet.KNOWN)
     assert all(row.count("|") == 4 and ("megatron-core" in row or "torch" in row) for row in table[2:])
+
+
+def test_torch_profiler_logs_no_kineto_lines_under_helpers(raw, hidden):
+    """KINETO_LOG_LEVEL=6 (quiet.apply): torch 2.14 logs "USDT: ... profiler_start" at level 5, once per profile."""
+    assert "profiler_start" in raw.stderr  # what a learner would see without helpers
+    assert "profiler_start" not in hidden.stderr + hidden.stdout and "gpuGetDeviceCount" not in hidden.stderr

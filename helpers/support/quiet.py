@@ -162,8 +162,8 @@ class _Filter(logging.Filter):
 def apply() -> None:
     """Hide the messages of :data:`KNOWN` in this process, and only those (idempotent).
 
-    Also sets ``KINETO_LOG_LEVEL=5`` (unless set), so that ``torch.profiler`` on a machine without
-    a GPU does not log an ERROR line about the GPU count, and ``NO_VCS_VERSION=1`` (unless set): megatron-core's ``package_info.py`` otherwise
+    Also sets ``KINETO_LOG_LEVEL=6`` (unless set), so that ``torch.profiler`` logs neither an ERROR line
+    about the GPU count on a machine without a GPU nor torch 2.14's ``USDT: ... profiler_start`` lines, and ``NO_VCS_VERSION=1`` (unless set): megatron-core's ``package_info.py`` otherwise
     runs ``git rev-parse`` at import and appends the hash of whatever git checkout encloses
     site-packages (this repository's commit when ``.venv`` lives in it) to ``__version__``.
     Must run before ``import megatron.core`` to hide its import-time warnings. Does nothing when
@@ -172,7 +172,7 @@ def apply() -> None:
     if _state["applied"] or os.environ.get("HELPERS_QUIET", "").lower() in ("0", "false", "no", "off"):
         return
     os.environ.setdefault("NO_VCS_VERSION", "1")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # torch.profiler on a machine without a GPU: no "gpuGetDeviceCount failed"
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler: no "gpuGetDeviceCount failed", no "USDT: ... profiler_start"
     for m in KNOWN:
         if m.kind == "warning":
             warnings.filterwarnings("ignore", message=m.pattern, category=m.category)
