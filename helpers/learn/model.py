@@ -6,9 +6,9 @@ arXiv:2302.13971, section 2.2: RoPE, RMSNorm, SwiGLU, grouped-query attention, n
 to ``LlamaForCausalLM``). :meth:`ModelConfig.to_metadata` holds everything a converter needs.
 
 Sources: Megatron-LM ``pretrain_gpt.py`` / ``gpt_builders.py`` (how GPTModel is built),
-``megatron/training/tokenizer`` ``_vocab_size_with_padding`` (vocab padding),
-``megatron/training/training.py`` ``num_floating_point_operations`` and Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters", section 5.1 (FLOPs).
+``megatron/core/tokenizers/utils/build_tokenizer.py`` ``vocab_size_with_padding`` (vocab padding),
+Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", section 5.1
+(FLOPs; Megatron-LM's ``num_floating_point_operations`` halves its attention term).
 """
 
 from __future__ import annotations
@@ -274,7 +274,8 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
                       tensor_model_parallel_size: int = 1) -> int:
     """Vocabulary size padded as Megatron pads it: up to a multiple of divisor x TP size.
 
-    Source: Megatron-LM ``megatron/training/tokenizer/tokenizer.py::_vocab_size_with_padding``.
+    Source: megatron-core ``megatron/core/tokenizers/utils/build_tokenizer.py::vocab_size_with_padding``
+    (``tests/test_model.py`` compares them).
     The extra rows of the embedding are never produced by the tokenizer; a converter keeps
     or trims them (GPT-2's 50,257 becomes 50,304).
 
@@ -337,8 +338,9 @@ def flops_per_token(cfg: ModelConfig, activation_recompute: bool = False) -> int
     ``72*l*h^2*(1 + s/(6h) + V/(12*l*h))`` per token, i.e. 6N plus the attention term 12*l*s*h.
 
     Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-    Clusters" (arXiv:2104.04473), section 5.1; Megatron-LM ``megatron/training/training.py``
-    ``num_floating_point_operations``; PaLM (arXiv:2204.02311) appendix B (6N + 12*l*h*s).
+    Clusters" (arXiv:2104.04473), section 5.1; PaLM (arXiv:2204.02311) appendix B (6N + 12*l*h*s).
+    Megatron-LM's ``num_floating_point_operations`` (``megatron/training/training.py``) counts half of
+    the attention term (a causal mask) and no router; ``tests/test_model.py`` checks these are the only differences.
     """
     h, f, s, l = cfg.hidden_size, cfg.ffn_size, cfg.seq_length, cfg.num_layers
     v = cfg.padded_vocab_size()
