@@ -25,18 +25,6 @@ HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 HAVE_APEX_FUSION = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
-def _validated(argv: list[str]):
-    """Megatron-LM's own parser and checks (megatron/training/arguments.py), as pretrain_gpt.py runs them."""
-    from megatron.training.arguments import parse_args, validate_args
-
-    saved = sys.argv
-    sys.argv = ["pretrain_gpt.py", *argv]
-    try:
-        args = parse_args()
-    finally:
-        sys.argv = saved
-    validate_args(args, {})
-    return args
 
 
 MATRIX = [(gpus, te, apex) for gpus in (0, 1, 8) for te in (False, True) for apex in (False, True)]
@@ -48,7 +36,7 @@ def test_the_capability_matrix(gpus, te, apex, profile, tmp_path):
     target = Target("matrix", gpus, te and gpus > 0, apex and gpus > 0, apex and gpus > 0, gpus > 0)
     cfg = training_config.profile(profile, str(tmp_path))
     argv = megatron_args.arguments(cfg, target=target)
-    args = _validated(argv)
+    args = megatron_args.parsed_args(cfg, target=target)  # Megatron-LM's parse_args and validate_args on argv
     rope = cfg.model.position_embedding_type == "rope"
     if not gpus:
         assert (args.distributed_backend, args.transformer_impl, args.use_cpu_initialization) == ("gloo", "local", True)
@@ -159,7 +147,7 @@ def test_without_apex_the_output_layer_refuses_gradient_fusion_so_the_flags_turn
         with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
             layer(True)
         for name in ("gpu-pip", "gpu-te"):
-            args = _validated(megatron_args.arguments(training_config.profile("gpu", str(tmp_path)), target=name))
+            args = megatron_args.parsed_args(training_config.profile("gpu", str(tmp_path)), target=name)
             fusion = core_transformer_config_from_args(args).gradient_accumulation_fusion
             assert fusion is False
             assert layer(fusion).weight.shape == (8, 8)
@@ -189,4 +177,4 @@ def test_a_layouts_children_get_the_flags_of_the_devices_they_see(gpus, monkeypa
     else:
         assert env == IEEE_FP32_ENV  # TF32 off for the fp32 comparison
         assert flag("--distributed-backend") is None and "--use-cpu-initialization" not in argv
-    _validated(argv)
+    megatron_args.parse(argv)  # Megatron-LM's parse_args and validate_args accept the child's flags

@@ -214,21 +214,17 @@ def test_greedy_generate_is_deterministic_and_skips_padded_rows(dist1):
 
 @pytest.mark.parametrize("profile,extra", [("cpu", {}), ("cpu-llama", {}), ("cpu-llama", {"num_experts": 4, "moe_router_topk": 2}),
                                            ("codeparrot-small", {})], ids=["gpt2", "llama", "moe", "codeparrot-small"])
-def test_flops_per_token_is_megatron_lms_count_plus_the_causal_half_and_the_router(profile, extra, tmp_path, monkeypatch):
+def test_flops_per_token_is_megatron_lms_count_plus_the_causal_half_and_the_router(profile, extra, tmp_path):
     """Megatron-LM's num_floating_point_operations (megatron/training/training.py) on the flags the series runs:
     it counts half of the attention scores (causal mask) and no router; model.flops_per_token counts both."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
-    from megatron.training.arguments import parse_args, validate_args
     from megatron.training.training import num_floating_point_operations
 
     from helpers.learn import training_config
     from helpers.runner import megatron_args
 
     cfg = training_config.profile("cpu", str(tmp_path), model=model.profile(profile, **extra).to_dict())
-    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *megatron_args.arguments(cfg)])
-    args = parse_args()
-    validate_args(args, {})
-    args.padded_vocab_size = vocab_size_with_padding(cfg.model.vocab_size, args, logging_enabled=False)
+    args = megatron_args.parsed_args(cfg)
     assert args.padded_vocab_size == cfg.model.padded_vocab_size()
     args.tensor_model_parallel_size = 2
     for vocab in (cfg.model.vocab_size + 1, 50_257):  # one past a multiple of 128 x TP, and GPT-2's

@@ -16,6 +16,7 @@ import pytest
 from helpers.support import results
 from helpers.demos import launch_plans, layout_runs, pipeline_schedule, rank_groups, shards
 from helpers.learn import memory
+from helpers.learn import model as model_lib
 from helpers.learn.model import Layout, ModelConfig, check_layout, count_parameters
 
 pytestmark = pytest.mark.trains
@@ -492,3 +493,22 @@ def test_the_calculator_refuses_what_megatron_core_cannot_run():
     with pytest.raises(ValueError, match="num_virtual_stages=2"):
         memory_per_gpu(llama, Layout(1, 1, 2), num_virtual_stages=2)  # no pipeline to interleave
     assert memory_per_gpu(llama, Layout(1, 2, 2), num_microbatches=4, num_virtual_stages=2).microbatches_in_flight == 2.5
+
+
+@pytest.mark.parametrize("distributed_optimizer,bytes_per_parameter", [(False, 18), (True, 6 + 12 / 8)])
+def test_megatron_lms_estimate_reads_the_args_its_parser_makes(distributed_optimizer, bytes_per_parameter, tmp_path):
+    """memory.megatron_lm_estimate on megatron_args.parsed_args: 18 bytes per parameter in bf16, 6 + 12/DP with the
+    distributed optimizer (Megatron-LM's theoretical_memory_usage.py), at TP = PP = 1 and DP = 8; for a Llama too,
+    whose SwiGLU and grouped-query attention come from its flags."""
+    from helpers.learn import training_config
+    from helpers.runner import megatron_args
+
+    for shape in (memory.MODEL_SHAPES["codeparrot-small"], model_lib.profile("cpu-llama")):
+        run = training_config.profile("gpu", str(tmp_path), model=shape, micro_batch_size=1, global_batch_size=8,
+                                      precision="bf16", use_distributed_optimizer=distributed_optimizer)
+        args = megatron_args.parsed_args(run, world_size=8, target="gpu-pip")
+        assert (args.data_parallel_size, args.swiglu) == (8, shape.swiglu)
+        est = memory.megatron_lm_estimate(args, num_microbatches=1)
+        # Megatron-LM's count leaves out the position embeddings and the norms' and biases' weights: within 1 %
+        assert est["weights_and_optimizer"] == pytest.approx(bytes_per_parameter * count_parameters(shape), rel=0.01)
+        assert est["activations"] > 0 and est["total"] == est["weights_and_optimizer"] + est["activations"]

@@ -319,10 +319,8 @@ def memory_per_gpu(model: ModelConfig, layout: Layout, *, micro_batch_size: int 
     return max(estimates, key=lambda e: e.total)
 
 
-def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size: int = 1, num_microbatches: int = 1,
-                         distributed_optimizer: bool = False, recompute: str = "none",
-                         sequence_parallel: bool = False) -> dict[str, float]:
-    """What Megatron-LM's own calculator predicts per GPU, for :func:`memory_per_gpu` 's inputs (bf16).
+def megatron_lm_estimate(args, *, num_microbatches: int = 1) -> dict[str, float]:
+    """What Megatron-LM's own calculator predicts per GPU for a run's ``args`` (bf16 mixed precision).
 
     Megatron-LM prints this at the start of a run (``megatron/training/theoretical_memory_usage.py``,
     ``report_theoretical_memory``): ``compute_weight_and_optimizer_memory`` (18 bytes per parameter
@@ -331,17 +329,15 @@ def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size
     selective recomputation are both on) or ``compute_activation_memory_without_sp``, which counts
     ``s*b*h*(10 + 24/t)`` per layer (no attention-score term, as with selective recomputation or a
     fused attention kernel) and adds 5 % for temporaries. Full recomputation is not modelled.
-    The arguments are the ones Megatron-LM's parser gives these flags (a plain namespace of
-    those names; ``validate_args`` would derive ``kv_channels`` and ``padded_vocab_size`` the same way).
+
+    Args:
+        args: Megatron-LM's ``args`` (``helpers.runner.megatron_args.parsed_args`` makes them from a config).
+        num_microbatches: micro-batches per step (the first pipeline stage holds up to PP of them).
 
     Returns:
         ``{"weights_and_optimizer", "activations", "total"}`` in bytes.
-
-    Raises:
-        ValueError: a layout :func:`check_layout` refuses.
     """
     import logging
-    from types import SimpleNamespace
 
     root = logging.getLogger()
     level, handlers = root.level, root.handlers[:]
@@ -349,24 +345,8 @@ def megatron_lm_estimate(model: ModelConfig, layout: Layout, *, micro_batch_size
 
     root.setLevel(level)
     root.handlers[:] = handlers
-
-    check_layout(model, layout)
-    t, p, d = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
-    args = SimpleNamespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        kv_channels=model.hidden_size // model.num_attention_heads, group_query_attention=False, num_query_groups=None,
-        ffn_hidden_size=model.ffn_size, seq_length=model.seq_length, padded_vocab_size=model.padded_vocab_size(t),
-        untie_embeddings_and_output_weights=not model.share_embeddings_and_output_weights, add_bias_linear=True,
-        normalization="LayerNorm", swiglu=False, num_experts=None, moe_layer_freq=1, moe_router_topk=2,
-        moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None, moe_latent_size=None, mtp_num_layers=None,
-        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, qk_head_dim=None, qk_pos_emb_head_dim=None,
-        v_head_dim=None, micro_batch_size=micro_batch_size, tensor_model_parallel_size=t,
-        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=None, data_parallel_size=d,
-        world_size=t * p * d, expert_model_parallel_size=1, expert_tensor_parallel_size=t,
-        use_distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
-        recompute_granularity="selective" if recompute == "selective" else None)
     weights = tmu.compute_weight_and_optimizer_memory(args)
-    if sequence_parallel and recompute == "selective":
+    if args.sequence_parallel and args.recompute_granularity == "selective":
         acts = tmu.compute_activation_memory(args, num_microbatches=num_microbatches)
     else:
         acts = tmu.compute_activation_memory_without_sp(args, num_microbatches=num_microbatches)

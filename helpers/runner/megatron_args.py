@@ -353,6 +353,57 @@ def command(cfg: TrainingConfig, *, nproc_per_node: int = 1, target: Target | st
     return ["torchrun", f"--nproc-per-node={nproc_per_node}", *SCRIPT, *arguments(cfg, target=target, cpu=cpu)]
 
 
+def parse(argv: Sequence[str], *, world_size: int = 1):
+    """Megatron-LM's ``parse_args`` and ``validate_args`` (``megatron/training/arguments.py``) on ``argv``, in this process.
+
+    They run as ``pretrain_gpt.py`` runs them, with ``WORLD_SIZE=world_size`` and :data:`ENV` set for the
+    call (the data-parallel size is what TP x PP leaves of it). The argument table ``validate_args``
+    prints is not shown. Without CUDA, ``cpu_compat.apply()`` runs first (``validate_args`` asks for the
+    GPU's architecture when TP > 1).
+
+    Returns:
+        an ``argparse.Namespace``, the ``args`` of Megatron-LM's ``get_args()`` before the tokenizer is built.
+
+    Raises:
+        AssertionError: a combination ``validate_args`` refuses (its own message).
+    """
+    import contextlib
+    import io
+    import os
+    import sys
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    from helpers.support import cpu_compat
+
+    cpu_compat.apply()
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    sys.argv = ["pretrain_gpt.py", *argv]
+    os.environ.update({**ENV, "WORLD_SIZE": str(world_size)})
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args()
+            validate_args(args, {})
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return args
+
+
+def parsed_args(cfg: TrainingConfig, *, world_size: int = 1, target: Target | str | None = None):
+    """Megatron-LM's own ``args`` for a run: :func:`parse` of :func:`arguments`, with ``padded_vocab_size``.
+
+    ``padded_vocab_size`` comes from megatron-core's ``vocab_size_with_padding``, as the tokenizer sets it
+    at start-up. Notebook 05 passes these ``args`` to Megatron-LM's memory estimate.
+    """
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    args = parse(arguments(cfg, target=target), world_size=world_size)
+    args.padded_vocab_size = vocab_size_with_padding(cfg.model.vocab_size, args, logging_enabled=False)
+    return args
+
+
 #: torchrun's rendezvous flags: their address and port differ from launch to launch, not from layout to layout.
 _RENDEZVOUS = frozenset({"--master_port", "--master-port", "--master_addr", "--master-addr", "--rdzv_endpoint",
                          "--rdzv-endpoint"})
