@@ -209,7 +209,8 @@ def estimate_check(python: str | None = None) -> Check:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     busy = (f"; load average {load:.1f}: other work shares the cores, and the series takes longer than this while it does"
             if load > 1.0 else "")  # the speed is the fastest burst: it estimates the machine when it is quiet
-    slow = "; over 3x the recorded run: run notebooks 03 and 05 as demonstrations" if est > 3 * recorded else ""
+    slow = ("; over 3x the recorded run, which is still ready: in a workshop, show notebooks 03 and 05 from the "
+            "instructor's machine rather than run them on this one" if est > 3 * recorded else "")
     return Check("estimated series", None, f"about {est / 60:,.0f} minutes for the cpu profile ({how}: {value:,.1f} {unit} "
                  f"against {ref:,.1f} where the series took {recorded / 60:.1f} minutes "
                  f"({measured['machine']['cpu_model']}), higher is faster{busy}{slow})")

@@ -78,7 +78,7 @@ KNOWN: tuple[KnownMessage, ...] = (
         "mlp_ffn_hidden_size", r"MLP requires ffn_hidden_size, but it was not provided", "warning",
         "megatron-core transformer/mlp.py:196",
         "the local layer spec builds its MLP without ffn_hidden_size; TransformerConfig's "
-        "ffn_hidden_size (4 x hidden size, the GPT-2 shape) is used, as the message says",
+        "ffn_hidden_size is used, as the message says: the model's own width (4 x hidden size only by default)",
         category=DeprecationWarning),
     KnownMessage(
         "sharded_tensor_deprecated", r"Please use DTensor instead and we are deprecating ShardedTensor", "warning",
@@ -102,8 +102,8 @@ KNOWN: tuple[KnownMessage, ...] = (
     KnownMessage(
         "te_moe_version", r"Only transformer-engine>=1\.7\.0 supports MoE experts", "warning",
         "megatron-core extensions/transformer_engine_spec_provider.py:88",
-        "building a layer spec asks Transformer Engine's version; without TE it reads 0.0.0. The series "
-        "builds no mixture-of-experts layer, and the local spec's linear layers are used"),
+        "building a layer spec asks Transformer Engine's version; without TE it reads 0.0.0. The series' "
+        "experts (notebook 05b) use the local spec's linear layers, which need no TE"),
     KnownMessage(
         "no_cuda_runtime", r"No CUDA runtime is found", "log",
         "torch utils/cpp_extension.py:183, imported by megatron-core tensor_parallel/random.py",
