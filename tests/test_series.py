@@ -299,7 +299,9 @@ def test_the_runner_says_where_a_long_notebook_is_and_the_time_left(tmp_path, mo
     assert set(series.MEASURED_SECONDS["cpu"]) == {p.stem for p in series.notebooks()}
     line = series.progress_line("03_training", 100.0, (23, 51), 131.1, 300.0)
     assert line == "    03_training: 100 s, code cell 23 of 51; the series: about 331 s left (times measured on a 2-core laptop)"
-    assert series.progress_line("03_training", 200.0, None, 131.1, 300.0).endswith("about 300 s left (times measured on a 2-core laptop)")
+    assert series.progress_line("03_training", 200.0, None, 131.1, 300.0) == (
+        "    03_training: 200 s; past its measured 131 s (a slower or busier machine than the 2-core laptop), "
+        "then about 300 s for the notebooks after it")
     assert series.progress_line("x", 5.0, None, None, None) == "    x: 5 s"
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("a"), nbformat.v4.new_markdown_cell("m"), nbformat.v4.new_code_cell("b")]

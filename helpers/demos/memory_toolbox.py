@@ -58,7 +58,7 @@ TECHNIQUES: tuple[Technique, ...] = (
               "the norms' and residuals' activations / TP too", "all-gather + reduce-scatter instead of all-reduce",
               "1/2 per rank (the norms too)"),
     Technique("PP=2 1F1B", Layout(1, 2, 1), {}, "weights, gradients, optimizer state / PP (not activations)",
-              "the bubble, (p - 1)/m", "1/2 per rank, plus the bubble"),
+              "the bubble, (p - 1)/m of the compute time (section 5)", "1/2 per rank, plus the bubble"),
     Technique("PP=2 interleaved v=2", Layout(1, 2, 1), {"num_virtual_stages_per_pipeline_rank": 2},
               "the bubble: (p - 1)/(v m)", "more micro-batches in flight, v x the sends",
               "1/2 per rank, plus a bubble v times smaller"),

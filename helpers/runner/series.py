@@ -278,12 +278,16 @@ def _run_notebooks(folder: Path, selected: list[Path], params: dict[str, dict[st
 def progress_line(stem: str, elapsed: float, cells: tuple[int, int] | None, expected: float | None,
                   after: float | None) -> str:
     """The runner's line for a notebook still running: its time so far, the code cell it is at, and the time
-    left for the series from :data:`MEASURED_SECONDS` (this notebook's rest, at least 0, plus the ones after it)."""
+    left for the series from :data:`MEASURED_SECONDS` (this notebook's rest plus the ones after it); past its
+    measured time, the line says so instead of a frozen count."""
     line = f"    {stem}: {elapsed:.0f} s"
     if cells:
         line += f", code cell {cells[0]} of {cells[1]}"
-    if expected is not None and after is not None:
-        line += f"; the series: about {max(expected - elapsed, 0.0) + after:.0f} s left (times measured on a 2-core laptop)"
+    if expected is not None and after is not None and elapsed <= expected:
+        line += f"; the series: about {expected - elapsed + after:.0f} s left (times measured on a 2-core laptop)"
+    elif expected is not None and after is not None:  # a slower or busier machine: still running, not hung
+        line += (f"; past its measured {expected:.0f} s (a slower or busier machine than the 2-core laptop), "
+                 f"then about {after:.0f} s for the notebooks after it")
     return line
 
 
